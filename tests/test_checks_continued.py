@@ -27,3 +27,14 @@ def test_time_major_decoder_cache_overwritten_on_continue(tmp_path):
     found = check_bug(tmp_path, "time_major_decoder_cache_overwritten_on_continue", "continued-keys-dropped", CONTINUED)
     assert "query 0 (row 0 of the 3 rows" in found[0]["message"]
     assert "sees 1 keys" in found[0]["message"] and "shows the same row 7" in found[0]["message"]
+
+
+def test_halves_run_apart_with_no_state_kept_are_two_sequences(tmp_path):
+    """A bidirectional time-major encoder run over 8 steps, then over steps 0-3 and 4-7 apart, on purpose: no module
+    state is assigned between the calls (trace/assigned.py counts none), so the second half is a sequence of its own,
+    not a continuation, and its 4 keys where the one pass shows 8 are no finding."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "time_major_encoder_halves_evaluated_apart", False, CONTINUED)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
+    assert "2 groups" in report and "(2,2,4,4)" in report  # (both halves were read: quiet by the rule, not unseen)

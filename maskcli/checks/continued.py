@@ -9,7 +9,9 @@ the second's. A query of the second call (its last rows, aligned with the one pa
 the one pass shows the same row, at a site of the same batch rows, is wrong (PriorLabs/TabPFN#852: the thinking tokens
 prepended again at prediction moved single_eval_pos, so the test rows saw the 4 fresh thinking rows and overwrote the
 cached 14). Quiet where the second call sees as many keys (the cache read), where the rows are not the one pass's
-split in two in order, and on batch-major ids (their first axis is the batch: rows are whole sequences).
+split in two in order, where no module state (a tensor assigned to a module's attribute, trace/assigned.py) was
+written between the two calls' starts (two halves run apart on purpose), and on batch-major ids (their first axis is
+the batch: rows are whole sequences).
 """
 
 from __future__ import annotations
@@ -33,9 +35,17 @@ def _split(run: Run) -> list:
                 if second is whole or second.where != whole.where or not tail.keys() <= rows.keys() \
                         or not tail.keys() <= head.keys():
                     continue
-                if all(len(tail[n]) and head[n] + tail[n] == rows[n] for n in tail):
+                if all(len(tail[n]) and head[n] + tail[n] == rows[n] for n in tail) and _kept_state(first, second):
                     found.append((whole, first, second, len(next(iter(tail.values())))))
     return found
+
+
+def _kept_state(first, second) -> bool:
+    """The first call (or what ran after it, before the second) assigned tensors to a module's attributes: state kept
+    for the next call (a K/V cache), the program's statement that the second continues the first. Without it, two
+    calls over halves of a sequence are two sequences (a context-free evaluation of each half), not a continuation."""
+    before, after = first.arguments.get("state_writes"), second.arguments.get("state_writes")
+    return type(before) is int and type(after) is int and after > before
 
 
 def _seen(call):

@@ -22,6 +22,8 @@ from maskcli.trace.swinroll import _pair  # (a tuple: a copy of a list the progr
 FIELD = "shift_size"
 FRAMES = 6  # program frames searched for the block's forward
 _ASSIGNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its shift_size as last assigned
+WRITES = [0]  # tensors (or a tuple of them) assigned to a module's attribute while tracing: state a call keeps for the
+# next (a K/V cache held by the module, TabPFN's _k_cache), counted; checks/continued.py reads it between two calls
 
 
 def patch(trace) -> callable:
@@ -34,6 +36,8 @@ def patch(trace) -> callable:
                 _ASSIGNED[self] = _pair(value)
             except TypeError:  # (a module that cannot be weakly referred to: not kept)
                 pass
+        elif type(value) is torch.Tensor or type(value) is tuple and value and type(value[0]) is torch.Tensor:
+            WRITES[0] += 1
         original(self, name, value)
 
     torch.nn.Module.__setattr__ = __setattr__

@@ -14,6 +14,8 @@ import weakref
 
 import torch
 
+import maskcli.trace.assigned as assigned
+
 
 @functools.cache
 def _own() -> tuple[str, ...]:
@@ -65,6 +67,7 @@ class Outer:
             kept = withheld(module, args, kwargs, frame.f_back)
         except (Exception, SystemExit):  # noqa: BLE001 - a program object that cannot be read: nothing read
             kept = {}
+        kept["state_writes"] = assigned.WRITES[0]  # (module state assigned so far: checks/continued.py)
         local.outer = held = [frame, module, args, kwargs, first, len(self._calls), kept]
         self._outers[threading.get_ident()] = held
         if id(module) not in self._handles:
