@@ -52,7 +52,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "latefix", "singleton", "fillleak", "layerwindow", "jointpad", "convpad", "convleft", "mediarows", "rowsonqueries", "padtail", "queriesonbatch",
            "blockpad", "prefixloss", "targetmap", "relbias", "relindex", "swinedit", "groups",
            "hiddenreal", "blocksteps", "heldtree", "contextlater",
-           "stalled", "causalnone", "onesided", "topk", "aloneplaces")
+           "stalled", "causalnone", "onesided", "topk", "aloneplaces", "absentinput")
 
 
 @dataclass(frozen=True)
