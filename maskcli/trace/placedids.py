@@ -69,9 +69,13 @@ def _placed(owner, value, pad: int, inputs: list) -> dict | None:
         if weight.shape[1] != first.shape[2] or int(ids[real].min()) < 0 or int(ids[real].max()) >= weight.shape[0]:
             continue
         looked = weight[ids.clamp(0, weight.shape[0] - 1)][real]  # the real tokens' vectors
+        row, token = (int(i) for i in real.nonzero()[0])  # (the first real token: where it sits says the offset)
         for tokens in inputs:
             tokens = tokens.detach().cpu()
-            for offset in range(tokens.shape[1] - width + 1):
-                if torch.equal(tokens[:, offset:offset + width][real], looked):
+            if tokens.dtype != weight.dtype:
+                continue
+            for at in (tokens[row] == weight[ids[row, token]]).all(dim=-1).nonzero().flatten().tolist():
+                offset = at - token
+                if 0 <= offset <= tokens.shape[1] - width and torch.equal(tokens[:, offset:offset + width][real], looked):
                     return {"ids": ids.numpy().astype(np.int64), "offset": offset}
     return None
