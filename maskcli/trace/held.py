@@ -36,7 +36,7 @@ GRAPHS = re.compile(r"^(?:batch|batch_index|batch_idx|batch_vec|node_batch|graph
 LEFT = re.compile(r"^(?:left_padding|left_pad|left_pads)$")  # each row's left padding, in keys: a batch cache's (mlx-lm)
 CACHE = re.compile(r"^(?:cache|kv_cache|past_key_values?|prompt_cache)$")  # an object that may hold `left_padding`
 HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
-BATCHES = re.compile(r"^(?:batch|inputs|data|sample|example|features|observations?)$")  # a dict of the batch's tensors
+BATCHES = re.compile(r"^(?:batch|inputs|data|sample|example|features|observations?|tasks?)$")  # a dict of the batch's tensors
 # (LeRobot's `batch["action_is_pad"]`): its entries named as a padding mask are read as held (not `**kwargs` nor
 # generate's `model_inputs`: a transformers forward's or generate's frame would be read at every call, for masks the
 # model call is handed anyway)
@@ -155,6 +155,7 @@ def split_top(details: dict) -> None:
     (checks/contextlater.py), a batch dict's lengths to details["batch_lengths"] (checks/heldlengths.py)."""
     _move(details, "held_positions", lambda read: read["kind"] == "drops")
     _move(details, "batch_lengths", lambda read: read["kind"] == "batch_lengths")
+    _move(details, "held_present", lambda read: read["kind"] == "present")
     _move(details, "held_top", lambda read: read.get("top"))
 
 
@@ -175,6 +176,9 @@ def _entries(name: str, batch: dict, code, seen: set) -> list[dict]:
     in one row) are kind "batch_lengths", kept apart from the padding (split_top: checks/heldlengths.py)."""
     found = []
     if len(batch) <= 64:
+        present = batch.get("pad_mask_dict")
+        if type(present) is dict and len(present) <= 64:  # (Octo's: each input, present in which rows: kind "present")
+            found.extend(_present(name, present, code))
         for key, value in batch.items():
             lengths = type(key) is str and LENGTHS.search(key)
             if type(key) is str and key != "mask" and (KEEP.search(key) or PAD.search(key) or lengths) \
@@ -184,6 +188,21 @@ def _entries(name: str, batch: dict, code, seen: set) -> list[dict]:
                 read = _read(key, value, code)
                 if read is not None and (not lengths or read["kind"] == "lengths"):
                     found.append({**read, "name": f'{name}["{key}"]', **({"kind": "batch_lengths"} if lengths else {})})
+    return found
+
+
+def _present(name: str, flags: dict, code) -> list[dict]:
+    """Each entry of a batch's `pad_mask_dict` (Octo's: input name -> (B,) bools, False where that row lacks the input)
+    that marks one row at least absent and one present, as kind "present" (split_top moves them to
+    details["held_present"]: checks/absentinput.py)."""
+    found = []
+    for key, value in flags.items():
+        if type(key) is str and issubclass(type(value), torch.Tensor) and value.dim() == 1 and 2 <= value.numel() <= MOST \
+                and (value.dtype == torch.bool or not value.is_floating_point()):
+            rows = value.detach().cpu().numpy().astype(bool)
+            if rows.any() and not rows.all():
+                found.append({"kind": "present", "rows": rows, "name": f'{name}["pad_mask_dict"]["{key}"]',
+                              "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}"})
     return found
 
 

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from maskcli.trace.placedids import placed_ids
 from maskcli.trace.scores import HEADS, stated_heads
 
 INNERMOST = 4  # running modules read, innermost first (a whole model's input speaks for no one layer)
@@ -22,28 +23,20 @@ FRAMES = 24
 def query_input(stack: list) -> tuple[int, int] | None:
     """(B, L) of the first tensor argument, (B, L, D), of the forward of the innermost running module that owns
     weights (the layer that projects the queries, not a parameter-free kernel wrapper inside it); None where none."""
+    first = first_input(stack)
+    return None if first is None else (int(first.shape[0]), int(first.shape[1]))
+
+
+def first_input(stack: list) -> torch.Tensor | None:
+    """The first tensor argument, (B, L, D), of the forward of the innermost running module that owns weights."""
     owner = next((m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None), None)
-    if owner is None:
-        return None
-    frame, searched = sys._getframe(1), 0
-    while frame is not None and searched < FRAMES:
-        searched += 1
-        code = frame.f_code
-        if code.co_name == "forward" and code.co_argcount > 1 and frame.f_locals.get("self") is owner:
-            first = frame.f_locals.get(code.co_varnames[1])
-            if issubclass(type(first), torch.Tensor) and first.dim() == 3:
-                return int(first.shape[0]), int(first.shape[1])
-            return None
-        frame = frame.f_back
-    return None
+    return None if owner is None else first_inputs([owner]).get(id(owner))
 
 
-def layer_inputs(stack: list) -> list[tuple[int, int]]:
-    """(B, M) of the first tensor argument, (B, M, D), of each running module that owns weights, up to INNERMOST of
-    them, innermost first, whose forward is on the stack: the tokens each layer and the block around it were handed
-    (a block that joins the image and text tokens before its nn.MultiheadAttention: checks/jointpad.py)."""
-    owners = [m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None]
-    found, frame, searched = {}, sys._getframe(1), 0
+def first_inputs(owners: list) -> dict:
+    """{id(module): its forward's first tensor argument, (B, M, D), or None} for each of `owners` whose forward is on
+    the stack."""
+    found, frame, searched = {}, sys._getframe(2), 0
     while owners and frame is not None and searched < FRAMES:
         searched += 1
         code = frame.f_code
@@ -51,9 +44,17 @@ def layer_inputs(stack: list) -> list[tuple[int, int]]:
             owner = frame.f_locals.get("self")
             if any(owner is m for m in owners) and id(owner) not in found:
                 first = frame.f_locals.get(code.co_varnames[1])
-                found[id(owner)] = (int(first.shape[0]), int(first.shape[1])) \
-                    if issubclass(type(first), torch.Tensor) and first.dim() == 3 else None
+                found[id(owner)] = first if issubclass(type(first), torch.Tensor) and first.dim() == 3 else None
         frame = frame.f_back
+    return found
+
+
+def layer_tensors(stack: list) -> list[torch.Tensor]:
+    """The first tensor argument, (B, M, D), of each running module that owns weights, up to INNERMOST of them,
+    innermost first, whose forward is on the stack: the tokens each layer and the block around it were handed (a block
+    that joins the image and text tokens before its nn.MultiheadAttention: checks/jointpad.py)."""
+    owners = [m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None]
+    found = first_inputs(owners)
     return [found[id(m)] for m in owners if found.get(id(m)) is not None]
 
 
@@ -96,9 +97,13 @@ def note(details: dict, stack: list, api: str = "", shape: tuple | None = None) 
         given = query_input(stack)
         if given is not None:
             details["query_input"] = given
-        layers = layer_inputs(stack)
+        tensors = layer_tensors(stack)
+        layers = [(int(t.shape[0]), int(t.shape[1])) for t in tensors]
         if layers and layers != [given]:
             details["layer_inputs"] = layers
+        placed = placed_ids(tensors[0]) if tensors else None
+        if placed is not None:
+            details["placed_ids"] = placed
     if shape is not None and stack and int(shape[0]) == 1 and int(shape[2]) > 2 and details.get("cross") \
             and "query_input" not in details:
         folded = folded_inputs(stack, shape)
