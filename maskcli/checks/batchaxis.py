@@ -103,7 +103,7 @@ def _across(call, keys: str, expected: str, source: str) -> list:
 def _alone(run: Run) -> list:
     """(batch top, samples, top of one of its samples run alone, which sample) for each model call of B > 1 rows whose
     every tensor argument another call of the same module was handed one row of (the same row of each)."""
-    rows = [(top, dict(top.arguments["sample_rows"])) for top in run.tops if top.arguments.get("sample_rows")]
+    rows = [(top, dict(top.rows)) for top in run.tops if top.rows]
     found = []
     for top, held in rows:
         sizes = {len(hashes) for hashes in held.values()}

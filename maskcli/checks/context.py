@@ -37,6 +37,8 @@ class Top:
     end: int = 0
     stated: tuple = ()  # maskcli.checks.intent.Stated: the configs the program states its attention in (trace/stated.py)
     convs: tuple = ()  # what the call's time-mixing convolutions read of its padded frames (trace/convpad.py)
+    rows: tuple = ()  # (name, one hash per row of its first axis) of each small tensor argument (trace/samplerows.py)
+    state_writes: int | None = None  # module state assigned before the call began (trace/assigned.py: continued.py)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from maskcli.text import Finding
 
 def _split(run: Run) -> list:
     """(one pass, first call, second call, the rows the second runs) of one module, the second after the first."""
-    held = [(top, dict(top.arguments["sample_rows"])) for top in run.tops if top.arguments.get("sample_rows")]
+    held = [(top, dict(top.rows)) for top in run.tops if top.rows]
     found = []
     for whole, rows in held:
         for at, (first, head) in enumerate(held):
@@ -44,7 +44,7 @@ def _kept_state(first, second) -> bool:
     """The first call (or what ran after it, before the second) assigned tensors to a module's attributes: state kept
     for the next call (a K/V cache), the program's statement that the second continues the first. Without it, two
     calls over halves of a sequence are two sequences (a context-free evaluation of each half), not a continuation."""
-    before, after = first.arguments.get("state_writes"), second.arguments.get("state_writes")
+    before, after = first.state_writes, second.state_writes
     return type(before) is int and type(after) is int and after > before
 
 

@@ -32,14 +32,10 @@ def _stated(top, rows: int, length: int) -> str | None:
     return None
 
 
-APART = (NAME, "sample_rows", "state_writes")  # (the mask; each tensor's row hashes, the mask's among them:
-# trace/samplerows.py; a count of the run's module state writes: checks/continued.py)
-
-
 def _same_else(a, b) -> bool:
     """The two model calls were handed the same arguments besides the attention_mask (their ids equal)."""
-    one = {k: v for k, v in a.arguments.items() if k not in APART}
-    two = {k: v for k, v in b.arguments.items() if k not in APART}
+    one = {k: v for k, v in a.arguments.items() if k != NAME}
+    two = {k: v for k, v in b.arguments.items() if k != NAME}
     if one.keys() != two.keys() or not any(isinstance(v, np.ndarray) for v in one.values()):
         return False
     return all(_equal(v, two[k]) for k, v in one.items())

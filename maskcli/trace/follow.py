@@ -57,6 +57,7 @@ class Follow:
     """Trace's dispatch of watched calls (capture.py's Trace mixes this in)."""
 
     ranked = None  # (the trace's Ranked, made at its first topk over scores: trace/ranked.py)
+    _pooled = None  # (the trace's Pooled, made at its first softmax of no attention: trace/pooled.py)
 
     # --- what passes, and the mode --------------------------------------------------------------
 
@@ -140,7 +141,9 @@ class Follow:
 
     def pooled(self) -> Pooled:
         """The softmaxes of no attention remembered, and the products that pool their weights (trace/pooled.py)."""
-        return self.__dict__.get("_pooled") or self.__dict__.setdefault("_pooled", Pooled())
+        if self._pooled is None:
+            self._pooled = Pooled()
+        return self._pooled
 
     def _before(self, reader, args: tuple, kwargs: dict):
         """Record an attention call before it runs: (the index it is recorded at, (call, seen) of a softmax read, else
@@ -242,7 +245,7 @@ class Follow:
         if (func in WATCHED or followed[0] or followed[1] and func in IN_PLACE) and isinstance(out, torch.Tensor) \
                 and out.dim() >= 2 and out.is_floating_point() and not self.busy and has_values(out):
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
-        if func in MATMULS and self.__dict__.get("_pooled") is not None and self._pooled.held and not self.busy:
+        if func in MATMULS and self._pooled is not None and self._pooled.held and not self.busy:
             reader = self._pooled.product(func, args, kwargs)  # (weights summed off their softmax's axis: pooled.py)
             if reader is not None:
                 self.capture(reader, args, kwargs)

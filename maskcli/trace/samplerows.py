@@ -26,9 +26,8 @@ def _rows(value) -> tuple | None:
     return tuple(hash(row.tobytes()) for row in held)
 
 
-def sample_rows(given: dict) -> dict:
-    """{"sample_rows": ((name, row hashes), ...)}: every small tensor argument of a call (one of a tuple or list named
-    name[i]), where there is one."""
+def sample_rows(given: dict) -> tuple:
+    """((name, row hashes), ...): every small tensor argument of a call (one of a tuple or list named name[i])."""
     found = []
     for name, value in given.items():
         values = [(f"{name}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, (tuple, list)) \
@@ -37,4 +36,4 @@ def sample_rows(given: dict) -> dict:
             rows = _rows(one)
             if rows is not None:
                 found.append((named, rows))
-    return {"sample_rows": tuple(found)} if found else {}
+    return tuple(found)

@@ -145,7 +145,6 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(handed_cells(given))  # (a (B, L, L) mask the call was handed: checks/handedcausal.py)
     found.update(causal_arg(given))  # (a mask it was handed named causal: checks/namedcausal.py)
     found.update(lengths_over(signature, given))
-    found.update(sample_rows(given))  # (each row of its tensors: a sample run alone, checks/batchaxis.py)
     found.update(main_constants())  # (a window and layer kinds kept as the script's constants: checks/layerwindow.py)
     convs = _convs(module)
     if convs:
@@ -161,7 +160,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     config = getattr(module, "config", None)
     if config is not None and dynamic(config):  # (its __getattr__ is the program's: the checks read it statically)
         config = StaticView(config)
-    return Top(where, config, found, first, end, stated)
+    return Top(where, config, found, first, end, stated, rows=sample_rows(given),  # (each row of its tensors: a sample
+               state_writes=found.pop("state_writes", None))  # run alone, checks/batchaxis.py; outer.py's count)
 
 
 def cache_read(given: dict) -> dict:
