@@ -24,20 +24,31 @@ from maskcli.text import Finding
 
 
 def _split(run: Run) -> list:
-    """(one pass, first call, second call, the rows the second runs) of one module, the second after the first."""
-    held = [(top, dict(top.rows)) for top in run.tops if top.rows]
-    found = []
-    for whole, rows in held:
-        for at, (first, head) in enumerate(held):
-            if first is whole or first.where != whole.where:
-                continue
-            for second, tail in held[at + 1:]:
-                if second is whole or second.where != whole.where or not tail.keys() <= rows.keys() \
-                        or not tail.keys() <= head.keys():
+    """(one pass, first call, second call, the rows the second runs) of one module, the second after the first.
+    Found through an index of each call's row hashes per argument (a pass over every triple of calls would be
+    cubic in a run's model calls: a decode loop of thousands)."""
+    held = [(at, top, dict(top.rows)) for at, top in enumerate(run.tops) if top.rows]
+    index, lengths = {}, {}
+    for at, top, rows in held:
+        for name, hashes in rows.items():
+            index.setdefault((top.where, name, hashes), []).append((at, top, rows))
+            lengths.setdefault((top.where, name), set()).add(len(hashes))
+    found = set()
+    for w, whole, rows in held:
+        for name, hashes in rows.items():
+            for m in lengths[(whole.where, name)]:
+                if not 0 < m < len(hashes):
                     continue
-                if all(len(tail[n]) and head[n] + tail[n] == rows[n] for n in tail) and _kept_state(first, second):
-                    found.append((whole, first, second, len(next(iter(tail.values())))))
-    return found
+                firsts, seconds = index.get((whole.where, name, hashes[:m])), index.get((whole.where, name, hashes[m:]))
+                for f, first, head in firsts or ():
+                    for s, second, tail in seconds or ():
+                        if s > f and first is not whole and second is not whole and tail.keys() <= rows.keys() \
+                                and tail.keys() <= head.keys() \
+                                and all(len(tail[n]) and head[n] + tail[n] == rows[n] for n in tail) \
+                                and _kept_state(first, second):
+                            found.add((w, f, s, len(next(iter(tail.values())))))
+    tops = run.tops
+    return [(tops[w], tops[f], tops[s], n) for w, f, s, n in sorted(found)]
 
 
 def _kept_state(first, second) -> bool:
