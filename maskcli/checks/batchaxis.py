@@ -102,16 +102,24 @@ def _across(call, keys: str, expected: str, source: str) -> list:
 
 def _alone(run: Run) -> list:
     """(batch top, samples, top of one of its samples run alone, which sample) for each model call of B > 1 rows whose
-    every tensor argument another call of the same module was handed one row of (the same row of each)."""
-    rows = [(top, dict(top.rows)) for top in run.tops if top.rows]
+    every tensor argument another call of the same module was handed one row of (the same row of each). The calls of
+    one row are looked up by their first argument's row hash (not each batch against every call: a decode loop's
+    thousands of steps)."""
+    rows = [(at, top, dict(top.rows)) for at, top in enumerate(run.tops) if top.rows]
+    single = {}
+    for at, other, one in rows:
+        if all(len(h) == 1 for h in one.values()):
+            first = next(iter(one))
+            single.setdefault((other.where, frozenset(one), first, one[first][0]), []).append((at, other, one))
     found = []
-    for top, held in rows:
+    for _, top, held in rows:
         sizes = {len(hashes) for hashes in held.values()}
         if len(sizes) != 1 or min(sizes) < 2:
             continue
-        for other, one in rows:
-            if other.where != top.where or one.keys() != held.keys() or any(len(h) != 1 for h in one.values()):
-                continue
+        names = frozenset(held)
+        candidates = sorted((c for name in held for h in set(held[name])
+                             for c in single.get((top.where, names, name, h), ())), key=lambda c: c[0])
+        for _, other, one in candidates:
             same = set.intersection(*({i for i, h in enumerate(held[name]) if h == one[name][0]} for name in held))
             if same:
                 found.append((top, sizes.pop(), other, min(same)))

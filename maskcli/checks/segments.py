@@ -28,9 +28,8 @@ def cut_segments(run: Run) -> list:
     found = []
     for top in run.tops:
         sites: dict = {}
-        for call in run.calls:
-            if top.first <= call.index < top.end and call.shape[0] == 1 and call.shape[2] == call.shape[3] \
-                    and run.top(call) is top:
+        for call in run.made_by(top):
+            if call.shape[0] == 1 and call.shape[2] == call.shape[3] and run.top(call) is top:
                 sites.setdefault(call.where, []).append(call)
         for calls in sites.values():
             finding = _finding(calls)
