@@ -34,10 +34,10 @@ STEPS = [("maskcli.trace.capture", "Trace", "__init__"), ("maskcli.trace.capture
          ("maskcli.trace.follow", "Follow", "dispatch"), ("maskcli.trace.capture", "Trace", "_capture"),
          ("maskcli.trace.capture", "", "walk"), ("maskcli.trace.capture", "", "running"),
          ("maskcli.trace.sites", "Sites", "load"), ("maskcli.trace.outer", "Outer", "_outer"),
-         ("maskcli.trace.capture", "Trace", "_record"), ("maskcli.trace.masks", "", "zero_kv"),
+         ("maskcli.trace.capture", "Trace", "_record"), ("maskcli.trace.masks", "", "key_reads"),
          ("maskcli.trace.masks", "", "query_tensor"), ("maskcli.trace.masks", "", "stored"),
          ("maskcli.trace.sites", "Sites", "note"), ("maskcli.trace.outer", "Outer", "_finish"),
-         ("maskcli.trace.tops", "", "top"), ("maskcli.trace.tops", "", "padded_input"), ("maskcli.trace.tops", "", "withheld"),
+         ("maskcli.trace.tops", "", "top"), ("maskcli.trace.tops", "", "withheld"),
          ("maskcli.trace.later", "", "later"), ("maskcli.trace.later", "Later", "make"),
          ("maskcli.trace.entry", "", "patch")]
 
