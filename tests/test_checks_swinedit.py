@@ -37,7 +37,7 @@ def test_a_window_size_helper_zeroing_the_list_it_was_handed(tmp_path):
 
 def test_an_assignment_is_no_edit():
     """Swin's own `self.shift_size = 0` after `= window // 2` for a small map is the program's statement: nothing;
-    the list edited in place after it is; the patch is put back and forgets its modules."""
+    the list edited in place after it is; once the trace ends the patch forgets its modules and records nothing."""
     class Block(torch.nn.Module):
         def __init__(self, small):
             super().__init__()
@@ -45,7 +45,6 @@ def test_an_assignment_is_no_edit():
             if small:
                 self.shift_size = [0, 0]
 
-    original = torch.nn.Module.__setattr__
     undo = assigned.patch(None)
     try:
         quiet, edited = Block(True), Block(False)
@@ -55,7 +54,10 @@ def test_an_assignment_is_no_edit():
         assert found["assigned"] == (2, 2) and found["now"] == (0, 2) and found["window"] == (4, 4)
     finally:
         undo()
-    assert torch.nn.Module.__setattr__ is original and assigned.edited(edited) is None
+    assert assigned.edited(edited) is None
+    writes, later = assigned.WRITES[0], Block(False)  # (the wrapper stays on the class from then on, recording nothing
+    later.shift_size[0], later.cache = 0, torch.zeros(1)  # while no trace runs: every assignment passed straight through)
+    assert assigned.edited(later) is None and assigned.WRITES[0] == writes and later.cache.shape == (1,)
 
 
 def test_swins_own_blocks_are_quiet(tmp_path):

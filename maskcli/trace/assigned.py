@@ -3,10 +3,10 @@
 Swin's blocks and their ports state their shifted windows with `shift_size`, an int or a list per axis. A list is the
 module's own object, so a function its forward hands it to can edit it in place (`shift_size[i] = 0` where the window
 covers a small map: pytorch/vision#6266), and every later call of the block runs with the edited shift while the
-program set another. nn.Module.__setattr__ is wrapped while tracing: an assignment of `shift_size` keeps a copy of what
-was assigned, weakly, per module (an assignment in `__init__`, as Swin's own `self.shift_size = 0` for a small map, is
-the program's statement, not an edit); `edited` says where the module's field now differs from that copy, and what
-the block's forward is running on (checks/swinedit.py).
+program set another. nn.Module.__setattr__ is wrapped from the first trace on, recording only while one runs: an
+assignment of `shift_size` keeps a copy of what was assigned, weakly, per module (an assignment in `__init__`, as
+Swin's own `self.shift_size = 0` for a small map, is the program's statement, not an edit); `edited` says where the
+module's field now differs from that copy, and what the block's forward is running on (checks/swinedit.py).
 """
 
 from __future__ import annotations
@@ -26,27 +26,46 @@ WRITES = [0]  # tensors (or a tuple of them) assigned to a module's attribute wh
 # next (a K/V cache held by the module, TabPFN's _k_cache), counted; checks/continued.py reads it between two calls
 
 
+_ACTIVE = [0]  # traces running now (nested ones count): the wrapper records only while one does
+
+
 def patch(trace) -> callable:
-    """nn.Module.__setattr__ wrapped while `trace` runs, to keep each block's assigned shift_size; what puts it back."""
+    """nn.Module.__setattr__ wrapped, to keep each block's assigned shift_size and count state writes while `trace`
+    runs; what ends that. The wrapper is put on the class once, at the first trace, and stays there, passing every
+    assignment straight through while no trace runs: a class attribute of nn.Module set and set back at every trace
+    cost about 0.2 ms (Python re-reads every subclass's method cache: a model library's hundreds of module classes)."""
+    if not _INSTALLED:
+        _install()
+    _ACTIVE[0] += 1
+
+    def undo() -> None:
+        _ACTIVE[0] -= 1
+        if not _ACTIVE[0]:
+            _ASSIGNED.clear()
+
+    return undo
+
+
+_INSTALLED: list = []
+
+
+def _install() -> None:
     original = torch.nn.Module.__setattr__
 
     def __setattr__(self, name, value):
-        if name == FIELD:
-            try:
-                _ASSIGNED[self] = _pair(value)
-            except TypeError:  # (a module that cannot be weakly referred to: not kept)
-                pass
-        elif type(value) is torch.Tensor or type(value) is tuple and value and type(value[0]) is torch.Tensor:
-            WRITES[0] += 1
+        if _ACTIVE[0]:
+            if name == FIELD:
+                try:
+                    _ASSIGNED[self] = _pair(value)
+                except TypeError:  # (a module that cannot be weakly referred to: not kept)
+                    pass
+            elif type(value) is torch.Tensor or type(value) is tuple and value and type(value[0]) is torch.Tensor:
+                WRITES[0] += 1
         original(self, name, value)
 
+    __setattr__.__qualname__, __setattr__.__doc__ = original.__qualname__, original.__doc__
     torch.nn.Module.__setattr__ = __setattr__
-
-    def undo() -> None:
-        torch.nn.Module.__setattr__ = original
-        _ASSIGNED.clear()
-
-    return undo
+    _INSTALLED.append(original)
 
 
 def edited(module) -> dict | None:
