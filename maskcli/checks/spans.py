@@ -391,6 +391,6 @@ RULES = (
     Rule("span-leak", "wrong", "steps", "a query that sees a later key outside its own bidirectional span (an image "
          "that sees the next image, a text or suffix token that sees ahead), the spans read from the model call's "
          "token_type_ids / mm_token_type_ids", check),
-    Rule("span-not-bidirectional", "wrong", "steps", "a token of an image (Gemma 3, Gemma 4's sliding layers) or of "
-         "PaliGemma's prefix that does not see the later tokens of its own span", check),
+    Rule("span-not-bidirectional", "wrong", "steps", "a token of an image (Gemma 3, Gemma 4's sliding layers), of "
+         "PaliGemma's prefix or of Surya's unmask_image prefix that does not see the later tokens of its own span", check),
 )
