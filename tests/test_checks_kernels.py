@@ -31,6 +31,12 @@ BUGS = [
     # written blind (batch blind-dq): huggingface/optimum#1416: BetterTransformer's GPT-BigCode SDPA took is_causal
     # for batch 1 and several new tokens on top of a KV cache (top-left over the cached prefix)
     ("optimum_bettertransformer_gpt_bigcode_cached_multitoken_is_causal_top_left", "top-left-causal"),
+    # written blind (batch blind-dx): baudm/parseq 056c792 (fixing 970f266): generate_attn_masks fills a float zeros
+    # mask with True, +1.0 on the keys nn.MultiheadAttention was to block in the permutation training masks
+    ("parseq_training_perm_attn_masks_float_true_not_masked", "ones-added"),
+    # written blind (batch blind-dx): baudm/parseq 056c792: ABINet's _get_location_mask fills the float eye with True
+    # (+1.0) where -inf was meant, the BCN cross-attention's memory_mask (a cross-attention call)
+    ("parseq_abinet_bcn_location_mask_plus_one_not_neg_inf", "ones-added"),
 ]
 
 
@@ -183,3 +189,38 @@ def test_float_future_and_pad_flags_added_by_sdpa(tmp_path):
                for m in (hide, hide == 0)]
     later = hide.bool()
     assert weights[0][0, 0][later].min() > 0 and weights[1][0, 0][later].max() == 0
+
+
+def test_float_eye_memory_mask_added_by_a_cross_attention(tmp_path):
+    """Written another way (tests/data/mhafloat; parseq 056c792's ABINet location mask): a cloze corrector on
+    nn.TransformerDecoder over a right-padded batch hands `torch.eye(T)` as the float memory_mask, which each
+    cross-attention adds (+1 on a position's own character); the bool eye is quiet. Against nn.MultiheadAttention
+    itself, its keys another tensor: the float eye leaves the diagonal its weight, the bool eye gives it none."""
+    [hit] = check_bug(tmp_path, "cloze_decoder_float_eye_memory_mask_added", "ones-added",
+                      Path(__file__).parent / "data" / "mhafloat")
+    assert "float attn_mask" in hit["message"]
+    import torch
+
+    torch.manual_seed(0)
+    mha, q, memory = torch.nn.MultiheadAttention(8, 1).eval(), torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+    _, added = mha(q, memory, memory, attn_mask=torch.eye(4))
+    _, blocked = mha(q, memory, memory, attn_mask=torch.eye(4, dtype=torch.bool))
+    own = torch.eye(4, dtype=torch.bool)
+    assert added[0][own].min() > 0 and blocked[0][own].max() == 0
+
+
+def test_float_hide_mask_filled_true_added_by_sdpa(tmp_path):
+    """Written another way (tests/data/mhafloat; parseq 056c792's permutation masks): a permutation LM on SDPA over a
+    left-padded batch fills a float zeros mask with True where a key comes later in the order or is padding, +1.0
+    added; the -inf fill is quiet. Against SDPA itself: the keys filled True keep their weight, -inf ones none."""
+    check_bug(tmp_path, "permutation_lm_float_hide_mask_masked_fill_true", "ones-added",
+              Path(__file__).parent / "data" / "mhafloat")
+    import torch
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 4, 8)
+    hide = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    weights = [torch.nn.functional.scaled_dot_product_attention(q, q, torch.eye(4)[None, None],
+                                                                attn_mask=torch.zeros(4, 4).masked_fill(hide, fill))
+               for fill in (True, float("-inf"))]
+    assert weights[0][0, 0][hide].min() > 0 and weights[1][0, 0][hide].max() == 0

@@ -23,6 +23,9 @@ BUGS = [
     ("gemma3_images_see_later_images", "span-leak"),  # huggingface/transformers#38053, fixed by #38080
     ("paligemma_suffix_sees_ahead", "span-leak"),  # huggingface/transformers#30918, fixed by #30967
     ("gemma3_generate_drops_image_spans", "span-not-bidirectional"),  # huggingface/transformers#39389
+    # written blind (batch blind-dx): VikParuchuri/surya 2791d60: under SDPA an unpadded batch's mask came back None,
+    # so SuryaModel skipped create_eoi_mask's unmasking (config.unmask_image) and SDPA ran is_causal over the image
+    ("surya_recognition_unmask_image_dropped_under_sdpa", "span-not-bidirectional"),
 ]
 PORTS = [  # hand-written ports: the family read off the config class's name (no transformers, no model_type)
     ("gemma3_image_tokens_attend_future_images", "span-leak"),  # huggingface/transformers#38053, written blind
@@ -372,3 +375,42 @@ def test_a_none_use_bidirectional_attention_speaks_only_for_gemma4():
     assert _images_causal(top(config, "VisionLanguageModel")) is None
     vision = SimpleNamespace(image_token_id=5, text_config=SimpleNamespace(use_bidirectional_attention="vision"))
     assert _images_causal(top(vision, "Gemma4ForConditionalGeneration")) is None
+
+
+def test_an_image_prefix_stated_by_unmask_image_and_the_eoi_token_runs_causal_on_an_unpadded_batch(tmp_path):
+    """surya 2791d60's bug written another way (tests/data/rows): a dict config held as `self.cfg` states
+    unmask_image with eoi_token_id; the mask builder's fast path for an unpadded batch hands SDPA is_causal and skips
+    the image prefix, which its padded path (a left-padded batch, quiet) or-s on. The first cell and the count are a
+    double loop's over the unpadded batch: a real query at or before its row's EOI that misses a later key there."""
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "ocr_decoder_unpadded_fast_path_skips_image_prefix", ("span-not-bidirectional",))
+    eoi = [3, 5]  # the unpadded batch: each row's EOI token at its own place
+    inside = lambda b, q, k: q < k <= eoi[b]
+    cells = sum(inside(b, q, k) for b in range(2) for q in range(8) for k in range(8))
+    assert tuple(hit["cell"]) == first((2, 8, 8), inside) and f"({cells} cells)" in hit["message"]
+    assert "unmask_image=True" in hit["message"]
+
+
+def test_the_eoi_prefix_is_each_rows_start_to_its_first_eoi_token():
+    """eoiprefix.prefix's block ids against a loop over the ids: 0 through the row's first EOI token (the padding
+    before it too: the judge leaves padding out), -1 after it and in a row with none; nothing without unmask_image."""
+    from maskcli.checks import eoiprefix
+    from maskcli.checks.intent import Stated, fields_of
+
+    ids = np.array([[0, 0, 5, 6, 7, 6], [5, 5, 5, 5, 6, 7], [5, 7, 7, 7, 7, 7]])
+    call = SimpleNamespace(where="layers.0", shape=(3, 1, 6, 6), index=0)
+
+    def run(config):
+        top = Top("M", arguments={"input_ids": ids}, stated=(Stated("self.cfg of M (dict)", None, fields_of(config)),),
+                  first=0, end=1)
+        return Run([call], [top]), top
+
+    said, top = run({"unmask_image": True, "eoi_token_id": 6})
+    assert eoiprefix.stated(top)
+    argument, blocks = eoiprefix.prefix(said, call, top)
+    expected = [[0 if 6 in row.tolist() and t <= row.tolist().index(6) else -1 for t in range(6)] for row in ids]
+    assert blocks.tolist() == expected and "eoi_token_id=6" in argument
+    for config in ({"unmask_image": False, "eoi_token_id": 6}, {"unmask_image": True}):
+        said, top = run(config)
+        assert not eoiprefix.stated(top)

@@ -33,7 +33,8 @@ FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_patter
           "attn_type", "attention_type",  # (SGLang's, vLLM's, AI Edge Torch's attention layers)
           "force_causal_mask", "waitk", "wait_k",  # (torch-to-nnef's export word that the model is causal; wait-k: across.py)
           "sliding_windows",  # (a streaming encoder's (left, right) window per layer: checks/sidewindows.py)
-          "interleaved_attn_pattern")  # (Megatron's (local, global) layer counts of one period: Gemma 3 / 4 providers)
+          "interleaved_attn_pattern",  # (Megatron's (local, global) layer counts of one period: Gemma 3 / 4 providers)
+          "unmask_image")  # (Surya's: its image prefix seen both ways at prefill, to the eoi_token_id: eoiprefix.py)
 ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 IMAGE_IDS = ("image_token_id", "image_token_index")  # kept beside the FIELDS a config states, never alone
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers", "interleaved_attn_pattern")
@@ -141,6 +142,9 @@ def _fields_besides(value, items: dict, text, found: dict) -> dict:
     image = next((items[n] for n in IMAGE_IDS if isinstance(items.get(n), int) and not isinstance(items[n], bool)), None)
     if image is not None:  # (where images sit in the ids: checks/spans.py, with use_bidirectional_attention)
         found["image_token_id"] = image
+    eoi = items.get("eoi_token_id", read(value, "eoi_token_id")) if found.get("unmask_image") is True else None
+    if isinstance(eoi, int) and not isinstance(eoi, bool):  # (where that prefix ends in the ids: eoiprefix.py)
+        found["eoi_token_id"] = eoi
     for name in COUNTS:
         if isinstance(items.get(name), int):
             found["layers"] = items[name]

@@ -73,7 +73,8 @@ def ones_added(run: Run) -> list:
     nothing (SDPA adds a float mask: torch/nn/functional.py scaled_dot_product_attention's docstring; so does
     nn.MultiheadAttention, its attn_mask and its key_padding_mask alike: multi_head_attention_forward's docstring)."""
     found, done = [], set()
-    for call in [*run.calls, *getattr(run, "unmasked", ())]:  # (a 0/1 mask that masks nothing leaves its site unmasked)
+    for call in [*run.calls, *run.cross, *run.unmasked]:  # (a 0/1 mask that masks nothing leaves its site unmasked;
+        # a cross-attention adds it alike: parseq's ABINet memory_mask, an eye of 0s with 1s where -inf was meant)
         if not call.details.get("zero_one") or call.mask in done:
             continue
         done.add(call.mask)
@@ -87,8 +88,9 @@ def ones_added(run: Run) -> list:
         name = call.details["zero_one"] if isinstance(call.details["zero_one"], str) else "attn_mask"
         dtype = call.details.get("mask_dtype") or call.details.get(f"{name}_dtype")
         found.append((call, Finding(
-            "ones-added", f"the float {name} holds only 0 and 1: a keep mask cast to float is added to the scores, "
-            "so it masks nothing (pass it as bool, or as (1 - mask) * finfo.min)",
+            "ones-added", f"the float {name} holds only 0 and 1: a keep (or hide) mask cast to float is added to the "
+            "scores, so it masks nothing (pass it as bool in the kernel's polarity, or put -inf or finfo.min where it "
+            "hides)",
             expected="an additive mask: 0 and -inf", source=f"{call.api}'s {name}, {dtype}")))
     return found
 

@@ -32,6 +32,7 @@ from typing import Callable
 
 import numpy as np
 
+from maskcli.checks import eoiprefix
 from maskcli.checks.config import layer_kind
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, layer, queries
 from maskcli.checks.intent import intent
@@ -229,7 +230,7 @@ def _by_image_id(run: Run, call, top) -> tuple[Family, np.ndarray] | None:
 def _spanned(run: Run):
     """(call, its model call, family, block ids, query positions) for each call whose later keys the token types judge."""
     if not any(_model_type(top.config) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
-               or _image_ids_stated(top) or _images_causal(top) for top in run.tops):
+               or _image_ids_stated(top) or _images_causal(top) or eoiprefix.stated(top) for top in run.tops):
         return  # no model call of the run gives spans (most runs stop here)
     shown = _shown_both_ways(run)
     for call in run.calls:
@@ -239,6 +240,8 @@ def _spanned(run: Run):
             family = _by_image_id(run, call, top)
         elif family is None and top is not None and _images_causal(top):  # (a config of its own: never transformers')
             family = _by_causal_images(call, top)
+        if family is None and top is not None and eoiprefix.stated(top) and (said := eoiprefix.prefix(run, call, top)):
+            family = Family(said[0], None, "prefix", "text", "all"), said[1]  # (Surya's image prefix, to its EOI token)
         if family is None or call.stored is None or any(word in (call.where or "").split(".") for word in TOWERS):
             continue
         family, ids = family
@@ -347,7 +350,7 @@ def check(run: Run) -> list:
         text = _text_config(top.config)
         kind = (layer_kind(text, layer(call)) or ("full_attention", ""))[0]
         window = getattr(text, "sliding_window", None)
-        if family.argument.startswith("input_ids at image_token_id="):  # (no config object: the intent's kind, window)
+        if family.argument.startswith("input_ids "):  # (placed by a config of the program's: the intent's kind, window)
             said = intent(run, call)
             kind = (said.kind(layer(call)) or ("full_attention", ""))[0]
             window = (said.window() or (None,))[0]
@@ -388,6 +391,6 @@ RULES = (
     Rule("span-leak", "wrong", "steps", "a query that sees a later key outside its own bidirectional span (an image "
          "that sees the next image, a text or suffix token that sees ahead), the spans read from the model call's "
          "token_type_ids / mm_token_type_ids", check),
-    Rule("span-not-bidirectional", "wrong", "steps", "a token of an image (Gemma 3, Gemma 4's sliding layers) or of "
-         "PaliGemma's prefix that does not see the later tokens of its own span", check),
+    Rule("span-not-bidirectional", "wrong", "steps", "a token of an image (Gemma 3, Gemma 4's sliding layers), of "
+         "PaliGemma's prefix or of Surya's unmask_image prefix that does not see the later tokens of its own span", check),
 )
