@@ -11,8 +11,10 @@ mask hides half of a token from the other, and no query sees a token of another 
 off the strides of the tensor the kernel was handed against the output it is a view of: wrong.
 
 Quiet where the kernel's positions step whole tokens of that output (the transpose: any layout, fused qkv, a
-sequence-first buffer), where the tensor was copied after the view (its strides say nothing then), and where its
-positions are not a sample's tokens (an axis of features split into tokens: a tabular model's per-feature tokens).
+sequence-first buffer) and where its positions are not a sample's tokens (an axis of features split into tokens: a
+tabular model's per-feature tokens). Not seen: a view copied before the kernel (its strides say nothing then), a
+(B·H, L, D) fold viewed straight from (B, L, E), and the same regrouping after the kernel (`out.view(B, L, -1)` of a
+(B, H, L, D) context: Informer's later fix), which changes no mask.
 """
 
 from __future__ import annotations
