@@ -14,11 +14,12 @@ import numpy as np
 from maskcli.checks.context import runs
 
 
-def gathered_rows(call) -> bool:
-    """Every row of each (batch row, head) plane keeps a prefix [0, n) of its own length n >= 1, and in some plane those
-    lengths do not grow row by row (a causal mask in query order is left to the rules: it is no gather)."""
+def gathered_rows(call, stored: dict | None = None) -> bool:
+    """Whether `call`'s mask (its stored one, or `stored`) is causal rows gathered: every row of each (batch row, head)
+    plane keeps a prefix [0, n) of its own length n >= 1, and in some plane those lengths do not grow row by row (a
+    causal mask in query order is left to the rules: it is no gather)."""
     q_len = call.shape[2]
-    held = runs(call.stored, call.shape[3]) if q_len > 2 else None
+    held = runs(call.stored if stored is None else stored, call.shape[3]) if q_len > 2 else None
     if held is None or held[0].shape[-1] != q_len:
         return False
     starts, ends = held
