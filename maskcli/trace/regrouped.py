@@ -50,9 +50,9 @@ class Pending:
         self.pending = None  # (the scores' shape, operands' facts)
 
     def note(self, q, k, out) -> None:
+        """At each q @ kᵀ: its fact, or none (a later product's softmax never reads an earlier one's)."""
         fact = operands(q, k, turned=True)
-        if fact and isinstance(out, torch.Tensor):
-            self.pending = (tuple(out.shape), fact)
+        self.pending = (tuple(out.shape), fact) if fact and isinstance(out, torch.Tensor) else None
 
     def of(self, x, call, seen) -> None:
         """At softmax `call` over scores `x`: details["regrouped"] where the product just noted made scores of its shape."""
