@@ -20,14 +20,17 @@ def regrouped(t, axis: int) -> dict | None:
     its (B·L, E) as nn.Linear makes it), a sample's rows as many as its positions: "held" lists, for positions 0 .. 3 of
     its first plane, (token, first feature) of the sample. None where its positions are that buffer's rows, or where
     `t` is no view of one."""
-    base = getattr(t, "_base", None) if isinstance(t, torch.Tensor) else None
-    if base is None or base.dim() not in (2, 3) or t.dim() < 3 or not t.is_floating_point() or base.stride(-1) != 1:
+    base = t._base if isinstance(t, torch.Tensor) else None
+    if base is None or t.dim() < 3 or base.dim() not in (2, 3):
         return None
-    length, feature = int(t.shape[axis]), -1 if axis in (-2, t.dim() - 2) else -2
-    row, step, sample = int(base.stride(-2)), int(t.stride(axis)), int(t.stride(0))
-    if length < 2 or not 0 < step < row or row != int(base.shape[-1]) or t.stride(feature) != 1 \
-            or int(t.shape[feature]) >= row or sample % row or sample // row != length:
-        return None  # (positions a row apart; rows that are no sample's tokens, or a sample's rows not its positions)
+    step, row = t.stride(axis), base.stride(-2)
+    if not 0 < step < row:
+        return None  # (positions a row apart: the transpose, every layout that steps whole tokens; read first, cheap)
+    length, feature = t.shape[axis], -1 if axis in (-2, t.dim() - 2) else -2
+    sample = t.stride(0)
+    if length < 2 or base.stride(-1) != 1 or row != base.shape[-1] or t.stride(feature) != 1 \
+            or t.shape[feature] >= row or sample % row or sample // row != length or not t.is_floating_point():
+        return None  # (rows that are no sample's tokens, or a sample's rows not its positions)
     offset = (int(t.storage_offset()) - int(base.storage_offset())) % sample
     held = [((offset + i * step) // row, (offset + i * step) % row) for i in range(min(length, 4))]
     return {"tokens": length, "row": row, "step": step, "held": held}
