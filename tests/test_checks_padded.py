@@ -48,6 +48,24 @@ def test_a_float_causal_padding_mask_built_and_never_added_to_einsum_scores_is_f
     assert tuple(found[0]["cell"]) == first((3, 7, 7), lambda b, q, k: q < lengths[b] <= k)
 
 
+def test_moments_insample_mask_in_the_batch_dict_never_handed_to_the_module_is_found(tmp_path):
+    # Nixtla/neuralforecast#1014 (8fad5f4): MOMENT.forward called self.moment(x_enc) without input_mask; the padding is
+    # windows_batch["insample_mask"] beside windows_batch["insample_y"], left-padded 8 of 32 steps: 4 patches of 8
+    found = check_bug(tmp_path, "neuralforecast_moment_insample_mask_not_passed", "zero-padding-attended")
+    pads = (0, 1)  # patches of padding in each row (samples 0-7 of row 1)
+    assert tuple(found[0]["cell"]) == first((2, 4, 4), lambda b, q, k: q >= pads[b] and k < pads[b])
+    assert '`windows_batch["insample_mask"]`' in found[0]["message"] and '`windows_batch["insample_y"]`' in found[0]["message"]
+
+
+def test_a_classifiers_available_mask_in_the_batch_dict_never_handed_to_its_encoder_is_found(tmp_path):
+    # written otherwise: a collate that right-pads series with zeros, batch["available_mask"], one token per step,
+    # nn.TransformerEncoder called without src_key_padding_mask
+    found = check_bug(tmp_path, "classifier_batch_available_mask_not_passed", "zero-padding-attended", folder=PADDED)
+    lengths = (10, 6, 8)
+    assert tuple(found[0]["cell"]) == first((3, 10, 10), lambda b, q, k: q < lengths[b] <= k)
+    assert '`batch["available_mask"]`' in found[0]["message"]
+
+
 class Frames(nn.Module):
     """An encoder over frames that masks nothing: the mask it is handed is not its attention's."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep
+from maskcli.checks.gatheredrows import gathered_rows
 from maskcli.checks.registry import Rule
 from maskcli.checks.topk import reading
 from maskcli.text import Finding
@@ -46,8 +47,8 @@ def seen_by_few(run: Run) -> list:
     found, done = [], {}
     for call in run.calls:
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
-        if q_len != k_len or q_len < 3 or call.stored is None or cross(call) or reading(call):
-            continue  # (a sparse top-k hides keys by score, not as padding: checks/topk.py)
+        if q_len != k_len or q_len < 3 or call.stored is None or cross(call) or reading(call) or gathered_rows(call):
+            continue  # (a sparse top-k hides keys by score, not as padding: checks/topk.py; rows gathered: gatheredrows.py)
         key = (call.mask, call.shape)
         if key not in done:
             done[key] = _finding(call, rows, q_len)

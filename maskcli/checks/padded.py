@@ -34,7 +34,7 @@ def _stated(top) -> tuple[str, np.ndarray, str] | None:
         return None
     name, values, source, zero = said
     real = values.astype(bool)
-    if name.endswith(("padding_mask", "pad_mask")):
+    if name.rstrip('"]').endswith(("padding_mask", "pad_mask")):  # (a batch dict's field: batch["pad_mask"])
         real = ~real
     if real.ndim == 1:
         real = real[None, :]

@@ -11,6 +11,7 @@ import numpy as np
 from maskcli import tracefile
 from maskcli.checks.context import cross, tril, triu
 from maskcli.checks.emptyreal import context_masked_whole, real_but_empty
+from maskcli.checks.gatheredrows import gathered_rows
 from maskcli.checks.kernelrows import what_api_does
 from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
@@ -100,6 +101,8 @@ def later(call, stored: dict, structure, real=None, past=None, places=None) -> l
         return []  # a decoder's queries over its encoder's memory: no query has a position among those keys
     if call.details.get("mask_rows") == 1:
         return []  # one mask row broadcast to every query (a key padding mask, or GQA heads packed as rows): no query order
+    if gathered_rows(call, stored):
+        return []  # (causal rows gathered by query, out of order: ProbSparse's top-u queries, checks/gatheredrows.py)
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
     seeing = reach(stored, q_len)[1] > own[None, :]  # (b*h, Lq)

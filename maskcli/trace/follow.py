@@ -234,6 +234,8 @@ class Follow:
                 bias_of(self.scores.biased, self.scores.has, readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.tiles:  # one tile of a larger attention (trace/tiled.py)
                 self.scores.tile_of(readers.softmax_input(args, kwargs), *softmaxed)
+            if self.scores is not None and self.scores.regrouped.pending is not None:  # q or k regrouped (regrouped.py)
+                self.scores.regrouped.of(readers.softmax_input(args, kwargs), *softmaxed)
             if self.ranked is not None and self.ranked.pending is not None:  # a top-k taken over these scores (trace/ranked.py)
                 self.ranked.of(readers.softmax_input(args, kwargs), *softmaxed)
             self.weights.note(out, *softmaxed, readers.softmax_input(args, kwargs))  # (its weights followed: weights.py)

@@ -29,6 +29,7 @@ from maskcli.trace.keyreads import key_reads
 from maskcli.trace.shifted import hide
 from maskcli.trace.finitefill import FILL_AT_MOST, finite_fill as _finite_fill  # noqa: F401 - (read from here too)
 from maskcli.trace.queried import LOCAL, query_tensor
+from maskcli.trace.regrouped import operands as regrouped
 from maskcli.intervals import Intervals
 
 
@@ -189,6 +190,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
                "query_tensor": query_tensor(q) if q_len > 1 else None}  # (queries seen again: no chunk, checks/prefill.py)
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     gathered_keys(seen, k, mask is None and not is_causal, q, mask)  # (keys a varlen path gathered, against its mask: gathered.py)
+    details.update(regrouped(q, k, turned=False))  # (q or k viewed with heads before positions: trace/regrouped.py)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
     if mask is not None:

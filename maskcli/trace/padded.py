@@ -13,7 +13,10 @@ from maskcli.checks.real import LENGTHS  # (each row's real tokens, by the names
 MOST = 1 << 20  # elements of one model-call argument kept (a batch's 2-D ids; never a 4-D mask): tops.py's too
 
 
-_PADDING_NAME = re.compile(r"^(?:\w+_)?(?:attention|padding|pad)_mask$|^(?:input_)?mask$")  # (padding_, pad_: True = pad)
+_PADDING_NAME = re.compile(r"^(?:\w+_)?(?:attention|padding|pad)_mask$|^(?:input_)?mask$"  # (padding_, pad_: True = pad)
+                           r"|^(?:insample|available)_mask$")  # (a forecaster's window: 1 = a sample of the series,
+# neuralforecast's names; not `past_observed_mask`, which transformers' time-series models read for scaling alone)
+BATCH_FIELDS = 64  # fields of a batch dict the model call is handed, read at most (trace/heldids.py's bound)
 
 
 def padded_input(given: dict) -> dict:
@@ -21,7 +24,9 @@ def padded_input(given: dict) -> dict:
     a model call handed a 0/1 mask named as a padding mask with a 0 in it (any dtype, 1-D too: a forecaster's
     `mask=input_mask`) beside a float input (B, S) or (B, C, S) / (B, S, C) with an axis of the mask's S samples: the
     data's own padding, to hold the mask against (checks/padded.py). Read only where such a mask is handed."""
-    masks = [(name, value) for name, value in given.items() if isinstance(value, torch.Tensor) and _PADDING_NAME.search(name)
+    given = {**given, **_batch_fields(given)}
+    masks = [(name, value) for name, value in given.items() if isinstance(value, torch.Tensor)
+             and _PADDING_NAME.search(name.rsplit('["', 1)[-1].rstrip('"]'))
              and value.dim() in (1, 2) and 1 < value.shape[-1] and value.numel() <= MOST and value.device.type != "meta"]
     for name, value in masks:
         length = value.shape[-1]
@@ -37,6 +42,14 @@ def padded_input(given: dict) -> dict:
         zero = (zero if axis is None else zero.all(axis)).cpu().numpy()  # (B, S); (B, C, S): all(1); (B, S, C): all(2)
         return {"padded_input": (name, values.numpy().astype(np.int64), other, zero)}
     return {}
+
+
+def _batch_fields(given: dict) -> dict:
+    """{'batch["field"]': tensor}: the tensor fields of each batch dict the model call is handed (neuralforecast's
+    `windows_batch`, a trainer's `batch`), where its padding mask and its input sit side by side."""
+    return {f'{name}["{key}"]': field for name, value in given.items() if type(value) is dict
+            and 0 < len(value) <= BATCH_FIELDS for key, field in value.items()
+            if isinstance(key, str) and isinstance(field, torch.Tensor)}
 
 
 def nested_ids(given: dict, found: dict) -> dict:

@@ -23,6 +23,7 @@ from maskcli.trace.copiedfold import copied_fold
 from maskcli.trace.followed import operands_of
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 from maskcli.trace.posbias import addend as pos_addend, carried as carried_bias
+from maskcli.trace.regrouped import Pending
 from maskcli.trace.weakfill import WHERES, carry
 from maskcli.trace.sliced import tail
 from maskcli.trace.shifted import SUBS, filled_rows
@@ -57,6 +58,7 @@ class Scores:
         self.biased: dict[int, tuple] = {}  # id -> the float tensors added to these scores (posbias.py)
         self.tiles: dict[int, list] = {}  # id -> the batch, query and key spans of scores of one tile (tiled.py)
         self.shifted: dict[int, tuple] = {}  # id -> (a weak reference, rows filled whole) of scores less their row max
+        self.regrouped = Pending()  # the last q @ kᵀ whose q or k was viewed with heads before positions (regrouped.py)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -89,6 +91,8 @@ class Scores:
                     part = tile(operands[0], operands[1], turned=func is not torch.einsum) if len(operands) == 2 else None
                     if part is not None:
                         self.tiles[id(out)] = part
+                    if len(operands) == 2 and func is not torch.einsum:  # (q or kᵀ viewed with heads before positions)
+                        self.regrouped.note(operands[0], operands[1], out)
                     cut = tail(operands[1], turned=True) if len(operands) == 2 and func is not torch.einsum else None
                     if cut is not None and tail(operands[0]) != cut:  # (q @ kᵀ over keys sliced off a cache's tail:
                         # trace/sliced.py; q sliced alike is a packed batch's last request, its own keys)

@@ -1,0 +1,62 @@
+"""A kernel whose positions are no tokens: its queries or keys viewed out of the projection with heads before positions.
+
+The program states which axis holds its tokens where it projects them: a (B, L, E) output (nn.Linear's, E = H·D), L
+tokens a sample, E features each. A kernel's mask (causal, padding, a window) orders the positions of its last axes;
+they are the tokens only where the (B, H, L, D) the kernel is handed steps one token of that output per position (a
+view to (B, L, H, D), then a transpose). A view straight to (B, H, L, D) (Informer2020 7f8b80c: `.view(B, H, L, -1)`
+of a (B, L, H, D) tensor where `.transpose(2, 1)` was meant) steps D features per position: positions 0 and 1 of a
+plane are the two halves of token 0, and each plane holds L / H tokens, each cut into H positions. Whatever mask the
+kernel ran with, it is laid on head slices of some tokens, never on the L tokens the program projected: its causal
+mask hides half of a token from the other, and no query sees a token of another plane. trace/regrouped.py reads it
+off the strides of the tensor the kernel was handed against the output it is a view of: wrong.
+
+Quiet where the kernel's positions step whole tokens of that output (the transpose: any layout, fused qkv, a
+sequence-first buffer) and where its positions are not a sample's tokens (an axis of features split into tokens: a
+tabular model's per-feature tokens). Not seen: a view copied before the kernel (its strides say nothing then), a
+(B·H, L, D) fold viewed straight from (B, L, E), and the same regrouping after the kernel (`out.view(B, L, -1)` of a
+(B, H, L, D) context: Informer's later fix), which changes no mask.
+"""
+
+from __future__ import annotations
+
+from maskcli.checks.context import Run
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def regrouped(run: Run) -> list:
+    """Calls whose queries or keys step inside one token of the projection they are a view of."""
+    found, done = [], {}
+    for call in [*run.calls, *run.cross, *run.unmasked]:
+        facts = call.details.get("regrouped")
+        if not facts:
+            continue
+        key = (call.where, call.shape)
+        if key not in done:
+            done[key] = _finding(call, facts)
+        found.append((call, done[key]))
+    return found
+
+
+def _finding(call, facts: dict) -> Finding:
+    side = "keys" if "key" in facts else "queries"
+    fact = facts["key" if "key" in facts else "query"]
+    tokens, row, step = fact["tokens"], fact["row"], fact["step"]
+    (t0, f0), (t1, f1) = fact["held"][:2]
+    per = max(1, tokens * step // row)
+    masked = "its mask over them" if call.stored is not None else "its attention"
+    return Finding("positions-regrouped", (
+        f"the kernel's {side} are a view of a ({tokens}, {row}) projection whose rows are the tokens, stepping {step} "
+        f"features a position: position 0 is token {t0} (features {f0}-{f0 + step - 1}) and position 1 token {t1} "
+        f"(features {f1}-{f1 + step - 1}), so each plane holds {per} of the {tokens} tokens cut into head slices and "
+        f"{masked} orders those slices, not the tokens (a `.view` laid heads before positions where a transpose was "
+        f"meant)"),
+        expected=f"each of the {tokens} positions one token of the projection", source="the projection the "
+        f"{side} are a view of")
+
+
+RULES = (
+    Rule("positions-regrouped", "wrong", "call", "queries or keys viewed out of their (B, L, H·D) projection with heads "
+         "before positions (`.view(B, H, L, D)` where a transpose was meant): the kernel's mask orders head slices of "
+         "tokens, not the tokens (Informer2020 7f8b80c)", regrouped),
+)

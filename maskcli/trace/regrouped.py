@@ -1,0 +1,65 @@
+"""Kernel positions that are no tokens: queries or keys viewed out of a (B, L, H·D) projection with heads before positions.
+
+A projection's output (B, L, E), E = H·D (or sequence-first (L, B, E)), becomes the kernel's (B, H, L, D) by a view to
+(B, L, H, D) and a transpose. Viewed straight to (B, H, L, D) (`.view(B, H, L, -1)` of a (B, L, H, D) tensor:
+Informer2020 7f8b80c), the kernel's position l of head h holds features of token (h·L + l)·D // E: one token's heads
+become positions, and a plane holds L / H tokens. The tensor handed to the kernel says so itself: a view of that output
+(its `_base`) whose step along the kernel's position axis is less than one token of it, and whose feature axis is a
+head's slice of one token, while the axis counts as many positions as the output has tokens. Read at each attention
+call from shapes and strides alone (no hook on views): checks/regrouped.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def regrouped(t, axis: int) -> dict | None:
+    """{"tokens", "row", "step", "held"} where kernel tensor `t` (B, .., L, D)'s positions (its `axis`; its features the
+    other of its last two) step inside the tokens of the buffer of rows it is a view of (a projection's (B, L, E), or
+    its (B·L, E) as nn.Linear makes it), a sample's rows as many as its positions: "held" lists, for positions 0 .. 3 of
+    its first plane, (token, first feature) of the sample. None where its positions are that buffer's rows, or where
+    `t` is no view of one."""
+    base = t._base if isinstance(t, torch.Tensor) else None
+    if base is None or t.dim() < 3 or base.dim() not in (2, 3):
+        return None
+    step, row = t.stride(axis), base.stride(-2)
+    if not 0 < step < row:
+        return None  # (positions a row apart: the transpose, every layout that steps whole tokens; read first, cheap)
+    length, feature = t.shape[axis], -1 if axis in (-2, t.dim() - 2) else -2
+    sample = t.stride(0)
+    if length < 2 or base.stride(-1) != 1 or row != base.shape[-1] or t.stride(feature) != 1 \
+            or t.shape[feature] >= row or sample % row or sample // row != length or not t.is_floating_point():
+        return None  # (rows that are no sample's tokens, or a sample's rows not its positions)
+    offset = (int(t.storage_offset()) - int(base.storage_offset())) % sample
+    held = [((offset + i * step) // row, (offset + i * step) % row) for i in range(min(length, 4))]
+    return {"tokens": length, "row": row, "step": step, "held": held}
+
+
+def operands(q, k, turned: bool) -> dict:
+    """{"regrouped": {"query" or "key": regrouped(...)}} of a q @ kᵀ (kᵀ `turned`: its positions last) or SDPA's q, k."""
+    found = {}
+    for name, tensor, axis in (("query", q, -2), ("key", k, -1 if turned else -2)):
+        fact = regrouped(tensor, axis)
+        if fact is not None:
+            found[name] = fact
+    return {"regrouped": found} if found else {}
+
+
+class Pending:
+    """The last q @ kᵀ whose operands were regrouped, until a softmax over scores of its shape reads it."""
+
+    def __init__(self):
+        self.pending = None  # (the scores' shape, operands' facts)
+
+    def note(self, q, k, out) -> None:
+        """At each q @ kᵀ: its fact, or none (a later product's softmax never reads an earlier one's)."""
+        fact = operands(q, k, turned=True)
+        self.pending = (tuple(out.shape), fact) if fact and isinstance(out, torch.Tensor) else None
+
+    def of(self, x, call, seen) -> None:
+        """At softmax `call` over scores `x`: details["regrouped"] where the product just noted made scores of its shape."""
+        pending, self.pending = self.pending, None
+        if pending is not None and isinstance(x, torch.Tensor) and tuple(x.shape) == pending[0]:
+            call.details.update(pending[1])
+            seen.details.update(pending[1])

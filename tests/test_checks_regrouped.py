@@ -1,0 +1,88 @@
+"""checks/regrouped.py (trace/regrouped.py): queries or keys viewed out of their projection with heads before positions,
+caught in the published bug's reproduction (tests/data/bugs) and in a program written another way (tests/data/regrouped),
+quiet on the fixes and on the layouts that step whole tokens; the token each position holds against torch's own view."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import maskcli
+from checkbugs import check_bug
+from maskcli.checks.registry import severity
+from maskcli.trace.regrouped import regrouped
+
+REGROUPED = Path(__file__).parent / "data" / "regrouped"
+
+
+def _held(message: str) -> list[tuple[int, int]]:
+    """(token, first feature) of positions 0 and 1 as the finding states them."""
+    return [(int(t), int(f)) for t, f in re.findall(r"position \d (?:is )?token (\d+) \(features (\d+)-", message)]
+
+
+def _reference(batch: int, tokens: int, heads: int, dim: int) -> list[tuple[int, int]]:
+    """(token, first feature) of positions 0 and 1 of head 0 of `x.view(B, H, L, D)` of a (B, L, H·D) tensor, read off
+    torch's view of one whose values are their own (token, feature)."""
+    width = heads * dim
+    x = torch.arange(batch * tokens * width).view(batch, tokens, width)
+    viewed = x.view(batch, heads, tokens, dim)
+    return [(int(viewed[0, 0, i, 0]) // width, int(viewed[0, 0, i, 0]) % width) for i in range(2)]
+
+
+def test_informers_probattention_viewing_queries_keys_and_values_to_heads_first_is_found(tmp_path):
+    # zhouhaoyi/Informer2020 7f8b80c "fix dimension change error": ProbAttention's queries.view(B, H, L_Q, -1) of a
+    # [B, L, H, D] tensor where .transpose(2, 1) was meant; decoder self-attention, ProbMask causal over 12 steps, 2 heads
+    found = check_bug(tmp_path, "informer2020_probattention_view_scrambles_causal_probmask", "positions-regrouped")
+    assert _held(found[0]["message"]) == _reference(2, 12, 2, 8)
+    assert "6 of the 12 tokens" in found[0]["message"]
+
+
+def test_a_gpt_viewing_its_projections_straight_to_heads_first_before_sdpa_is_found(tmp_path):
+    # written otherwise: minGPT-style q/k/v Linear outputs viewed (B, nh, T, hs) from (B, T, C), SDPA with a causal and
+    # left-padding bool mask
+    found = check_bug(tmp_path, "gpt_sdpa_view_heads_before_positions", "positions-regrouped", folder=REGROUPED)
+    assert _held(found[0]["message"]) == _reference(2, 8, 4, 8)
+    assert "2 of the 8 tokens" in found[0]["message"]
+
+
+def _codes(layout) -> list:
+    """Findings of an SDPA call, causal, over the q, k, v `layout` makes of a (2, 6, 36) projection (3 heads of 4)."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(12, 36)
+    with maskcli.trace() as t, torch.no_grad():
+        q, k, v = layout(proj(torch.randn(2, 6, 12)))
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return [(f.code, severity(f)) for group in t.groups() for f in group.findings]
+
+
+def test_layouts_that_step_whole_tokens_are_quiet_and_the_view_is_not():
+    def fused(qkv):  # (B, L, 3, H, D) permuted: each position one token's row
+        return qkv.view(2, 6, 3, 3, 4).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def sequence_first(qkv):  # (L, B·H, D) transposed, as nn.MultiheadAttention lays a (L, B, E) input
+        first = qkv.transpose(0, 1).contiguous()  # (L, B, 3E): a buffer of rows (L·B, 3E)
+        return [first[..., 12 * i:12 * (i + 1)].reshape(6, 6, 4).transpose(0, 1) for i in range(3)]
+
+    def sliced(qkv):  # each part a slice of the fused rows, unflattened and transposed: one row a position
+        return [qkv[..., 12 * i:12 * (i + 1)].unflatten(-1, (3, 4)).transpose(1, 2) for i in range(3)]
+
+    def straight(qkv):  # the bug: each (B, L, H·D) part viewed (B, H, L, D)
+        return [qkv[..., 12 * i:12 * (i + 1)].contiguous().view(2, 3, 6, 4) for i in range(3)]
+
+    for quiet in (fused, sequence_first, sliced):
+        assert not [c for c in _codes(quiet) if c[0] == "positions-regrouped"], quiet.__name__
+    assert ("positions-regrouped", "wrong") in _codes(straight)
+
+
+def test_the_positions_a_view_holds_match_torchs_own_view():
+    proj = torch.nn.Linear(8, 24)(torch.randn(2, 6, 8))  # (B, L, 3 heads of 8), a view of nn.Linear's (B·L, 24)
+    fact = regrouped(proj.view(2, 3, 6, 8), -2)
+    assert fact is not None and fact["held"][:2] == _reference(2, 6, 3, 8) and fact["tokens"] == 6
+    assert regrouped(proj.view(2, 6, 3, 8).transpose(1, 2), -2) is None  # (the transpose: whole tokens)
+    assert regrouped(proj.view(2, 3, 6, 8).transpose(-2, -1), -1) == fact  # (kᵀ: its positions last)
+    assert regrouped(proj.view(2, 6 * 3, 8), -2) is None  # (each token cut in three positions: 18 are no sample's 6)
+    features = torch.nn.Linear(4, 5 * 8)(torch.randn(2, 4)).view(2, 5, 8)  # a tabular model's per-feature tokens
+    assert regrouped(features, -2) is None
