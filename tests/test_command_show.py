@@ -1050,3 +1050,21 @@ def test_a_parameter_below_its_minimum_reads_without_nested_parentheses():
         "maskcli: error: window(-2): window must be at least 1, got -2; window = keys each query sees: itself and the "
         "W-1 before it (Hugging Face's count; FlashAttention window_size=(W-1, 0))\n"
     )
+
+
+def test_what_was_written_wraps_between_words_on_a_narrow_terminal(tmp_path, monkeypatch):
+    """The note beside --png of a long mask was echoed as one line, so a 60-column terminal cut it mid-number
+    ('4,09' / '6 x 4,096'): it wraps at spaces now, as warnings do."""
+    monkeypatch.chdir(tmp_path)
+    path = "c.png"
+    result = ok(["show", "causal", "--len", "4096", "--png", path], env={"COLUMNS": "60"})
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"wrote {path}",
+        "the terminal map is left out beside --png for a mask of",
+        "4,096 x 4,096: the figure has it; run without --png to",
+        "print the map too",
+    ]
+    piped = ok(["show", "causal", "--len", "4096", "--png", path])
+    assert piped.stderr.splitlines()[1] == ("the terminal map is left out beside --png for a mask of 4,096 x 4,096: "
+                                            "the figure has it; run without --png to print the map too")
