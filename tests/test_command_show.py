@@ -1068,3 +1068,20 @@ def test_what_was_written_wraps_between_words_on_a_narrow_terminal(tmp_path, mon
     piped = ok(["show", "causal", "--len", "4096", "--png", path])
     assert piped.stderr.splitlines()[1] == ("the terminal map is left out beside --png for a mask of 4,096 x 4,096: "
                                             "the figure has it; run without --png to print the map too")
+
+
+def test_an_option_of_another_command_says_which_command_takes_it():
+    """`show causal --stages` offered '--as, --save, --sizes' (click's look-alikes), where --stages is attend's: the
+    one line names the commands that take the option; a typo of the command's own options still gets click's guesses."""
+    result = invoke(["show", "causal", "--len", "6", "--stages"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == ("maskcli: error: No such option: --stages (it is an option of maskcli attend) "
+                             "(see 'maskcli show --help')\n")
+    result = invoke(["kinds", "--len", "3"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("maskcli: error: No such option: --len (it is an option of maskcli show, chunk, blocks, diff, "
+                                    "attend, verify, export and shard)")
+    result = invoke(["show", "causal", "--lne", "3"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("maskcli: error: No such option: --lne (Possible options: --align, --kv-len, --len)")
+
