@@ -1085,3 +1085,21 @@ def test_an_option_of_another_command_says_which_command_takes_it():
     assert result.exit_code == 2
     assert result.stderr.startswith("maskcli: error: No such option: --lne (Possible options: --align, --kv-len, --len)")
 
+
+def test_the_summary_wraps_between_words_on_a_narrow_terminal():
+    """--summary was echoed as long lines that a 60-column terminal cut mid-word ('(0.01%) · ex' / 'act, from key
+    intervals'); it wraps at spaces now, its indented lines under their indent."""
+    text = ok(["show", "window(128)", "--len", "1048576", "--summary"], env={"COLUMNS": "60"}).stdout
+    assert text.splitlines() == [
+        "window(128) · shape (B=1, H=1, Lq=1048576, Lk=1048576)",
+        "visible cells: 134,209,600 of 1,099,511,627,776 (0.01%) ·",
+        "exact, from key intervals",
+        "keys per query row: min 1 · median 128 · max 128",
+        "rows that see no key: none",
+        "attention FLOPs: 4·D per visible cell = 536,838,400·D,",
+        "0.01% of dense (4,398,046,511,104·D) for head size D",
+    ]
+    batched = ok(["show", "causal", "--len", "8", "--lengths", "5,3", "--heads", "2", "--summary"], env={"COLUMNS": "60"}).stdout
+    assert "  keys per query row (every head's): min 1 · median 4.5 ·\n  max 5\n" in batched
+    piped = ok(["show", "window(128)", "--len", "1048576", "--summary"]).stdout
+    assert "visible cells: 134,209,600 of 1,099,511,627,776 (0.01%) · exact, from key intervals\n" in piped
