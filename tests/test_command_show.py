@@ -1103,3 +1103,27 @@ def test_the_summary_wraps_between_words_on_a_narrow_terminal():
     assert "  keys per query row (every head's): min 1 · median 4.5 ·\n  max 5\n" in batched
     piped = ok(["show", "window(128)", "--len", "1048576", "--summary"]).stdout
     assert "visible cells: 134,209,600 of 1,099,511,627,776 (0.01%) · exact, from key intervals\n" in piped
+
+
+def test_at_60_columns_the_header_wraps_between_its_parts_and_stands_in():
+    """The header and legend wrapped at the last space that fit, to column 0: 'causal · shape (B=1, H=1, Lq=2, Lk=6) ·
+    queries 4-5 · keys' then '0-5' alone, read as a row of the table; 'shape (B=1, H=1, Lq=5,' / 'Lk=5)'. They
+    wrap between their ' · ' parts now, further lines two cells in."""
+    def head(*args):
+        return ok(["show", *args], env={"COLUMNS": "60"}).stdout.splitlines()
+
+    assert head("prefill", "--offset", "4", "--len", "2")[:3] == [
+        "causal · shape (B=1, H=1, Lq=2, Lk=6) · queries 4-5 ·",
+        "  keys 0-5",
+        "convention: keep (bool, 1 = True = may attend, 0 = masked)",
+    ]
+    assert head("document(0,0,1,1,1) & window(2)")[:5] == [
+        "document(0,0,1,1,1) & window(2) ·",
+        "  shape (B=1, H=1, Lq=5, Lk=5)",
+        "convention: keep (bool, 1 = True = may attend, 0 = masked)",
+        "│ ─ doc boundaries (labels above the keys, beside the",
+        "  queries) · underlined: the diagonal",
+    ]
+    wide = ok(["show", "document(0,0,1,1,1) & window(2)"], env={"COLUMNS": "120"}).stdout.splitlines()
+    assert wide[0] == "document(0,0,1,1,1) & window(2) · shape (B=1, H=1, Lq=5, Lk=5)"
+    assert wide[2] == "│ ─ doc boundaries (labels above the keys, beside the queries) · underlined: the diagonal"
