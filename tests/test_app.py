@@ -304,3 +304,19 @@ def test_piped_tables_keep_no_trailing_spaces():
     assert runner.invoke(app, ["show", "causal", "--len", "3"]).stdout.splitlines()[2:] == [
         " q \\ kv  0  1  2", " 0       1  0  0", " 1       1  1  0", " 2       1  1  1",
     ]
+
+
+def test_the_top_level_help_gives_one_example_a_line():
+    """`maskcli --help` gave its examples on one line joined by '·', which a 60-column terminal broke inside the
+    second ('maskcli show' / '"document(0,0,1,1) & window(2)"'): one a line now, as each command's help has them,
+    and each runs."""
+    shown = runner.invoke(app, ["--help"], env={"COLUMNS": "60"})
+    assert shown.exit_code == 0, shown.output
+    rows = [row.strip() for row in shown.stdout.splitlines()]
+    start = rows.index("Examples:")
+    assert rows[start + 1:start + 4] == ["maskcli show causal --len 6", 'maskcli show "document(0,0,1,1) & window(2)"', "maskcli kinds"]
+    import shlex
+
+    for example in rows[start + 1:start + 4]:
+        result = runner.invoke(app, shlex.split(example)[1:], env={"COLUMNS": "60"})
+        assert result.exit_code == 0, (example, result.output)

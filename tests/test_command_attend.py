@@ -831,3 +831,19 @@ def test_html_past_what_a_page_holds_is_refused_before_any_file_is_written(tmp_p
         "maskcli: error: --html would embed 1,444,800 stage values, past the 1,048,576 a page holds: "
         "choose fewer with --batch-index/--head/--stages, or view --rows/--keys\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_at_60_columns_the_header_wraps_between_its_parts():
+    """The run's header wrapped at the last space that fit, to column 0: 'device cpu · dtype float32 · scale 0.353553
+    · fill:' then 'masked_fill -inf' alone, read as a line of its own; it wraps between its ' · ' parts now, two cells in."""
+    result = invoke(["causal", "--len", "6"], env={"COLUMNS": "60"})
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[:5] == [
+        "attend causal · shape (B=1, H=1, Lq=6, Lk=6, D=8)",
+        "device cpu · dtype float32 · scale 0.353553 ·",
+        "  fill: masked_fill -inf",
+        "inputs: random, torch.Generator().manual_seed(0)",
+        "cells marked × are masked",
+    ]
+    wide = invoke(["causal", "--len", "6"], env={"COLUMNS": "120"}).stdout.splitlines()
+    assert wide[1] == "device cpu · dtype float32 · scale 0.353553 · fill: masked_fill -inf"

@@ -652,7 +652,8 @@ def test_a_long_key_padding_row_is_read_in_linear_time(tmp_path):
     start = time.perf_counter()
     result = runner.invoke(app, ["inspect", str(tmp_path / "row.npy")])
     assert result.exit_code == 0, result.output
-    assert "structure: padding — rebuild it with: maskcli show padding --len 100000" in result.stdout  # --lengths 70000 follows
+    # (at 80 columns the command goes whole on a line of its own, under the structure)
+    assert "structure: padding\n  rebuild it with: maskcli show padding --len 100000 --lengths 70000\n" in result.stdout
     result = runner.invoke(app, ["inspect", str(tmp_path / "alternate.npy")])
     assert result.exit_code == 0 and "--ids" in result.stdout, result.output
     assert time.perf_counter() - start < 30  # a square of 10^10 cells was built to compare one row against
@@ -721,3 +722,33 @@ def test_the_structure_that_told_the_polarity_is_the_one_inspect_names(text, len
     assert (found.expression, found.options, found.command) == (again.expression, again.options, again.command)
     assert found.expression == text
     assert torch.equal(dense(found.command)[0, 0], torch.from_numpy(cells))
+
+
+def test_at_60_columns_each_line_wraps_under_its_own_text(tmp_path):
+    """Wrapped lines went to column 0: the second API of `fits:` lost its place under the first ('      nn.MultiheadAttention
+    attn_mask: no, MHA reads True as' / 'masked; pass ~mask'), and the command to rebuild the mask broke in two
+    ('rebuild it with: maskcli show causal' / '--len 5'). Now each wraps under its text, and the command goes whole on
+    a line of its own."""
+    path = tmp_path / "tril.pt"
+    torch.save(torch.tril(torch.ones(5, 5, dtype=torch.bool)), path)
+    result = runner.invoke(app, ["inspect", str(path)], env={"COLUMNS": "60"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 60 for line in lines)
+    at = next(i for i, line in enumerate(lines) if line.startswith("fits: "))
+    assert lines[at:at + 4] == [
+        "fits: F.scaled_dot_product_attention attn_mask: yes, as is",
+        "      (True = attend)",
+        "      nn.MultiheadAttention attn_mask: no, MHA reads True as",
+        "      masked; pass ~mask",
+    ]
+    assert lines[at + 4:at + 8] == [
+        "convention: keep — read as keep (True = may attend):",
+        "            maskcli's causal rebuilds it read this way; read",
+        "            the other way round, it would be tril(0,",
+        "            means=block) with queries that see no key",
+    ]
+    assert lines[at + 8:at + 11] == ["structure: causal", "  rebuild it with: maskcli show causal --len 5", "findings: none"]
+    wide = runner.invoke(app, ["inspect", str(path)], env={"COLUMNS": "120"}).stdout.splitlines()
+    assert "structure: causal — rebuild it with: maskcli show causal --len 5" in wide
+    assert "      nn.MultiheadAttention attn_mask: no, MHA reads True as masked; pass ~mask" in wide

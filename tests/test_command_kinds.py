@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from maskcli.commands import app
+from maskcli.commands.kinds import example_command
 from maskcli.kinds import all_kinds
 
 runner = CliRunner()
@@ -68,3 +69,24 @@ def test_aliases_build_their_kind_and_help_names_them():
     assert json.loads(bidirectional)["mask"] == [[[[True] * 3] * 3]]  # every query sees every key
     flat = " ".join(ok(["show", "--help"], env={"COLUMNS": "200"}).stdout.split())
     assert "Kinds: full (or bidirectional), causal (or prefill), window(W)," in flat
+
+
+def test_at_60_columns_wrapped_lines_stand_in_and_examples_stay_whole():
+    """A wrapped head went back to column 0, where it read as the next kind ('start' alone under local's head); a
+    parameter's wrapped help stood under the parameter names; and examples broke inside their quoted expression
+    ('maskcli show "document(0,0,0,0,0,1,1,1) &' / 'local(2)"'), so that they did not copy as one command."""
+    text = ok(["kinds"], env={"COLUMNS": "60"}).stdout
+    lines = text.splitlines()
+    assert all(len(line) <= 60 for line in lines)
+    heads = [line for line in lines if line and not line.startswith(" ")]
+    assert [head.split()[0] for head in heads] == [kind.signature.split()[0] for kind in all_kinds()]
+    at = lines.index("local(C, documents=LABELS)   keeps kv <= q, in q's chunk: C")
+    assert lines[at + 1:at + 3] == ["    positions from the row's first real token or the", "    document's start"]
+    assert "  W --window  keys each query sees: itself and the W-1" in lines
+    assert "    before it (Hugging Face's count; FlashAttention" in lines
+    for kind in all_kinds():
+        command = example_command(kind)
+        assert f"  example: {command}" in lines or lines[lines.index(f"  {command}") - 1] == "  example:"
+    assert lines[lines.index('  maskcli show "document(0,0,0,0,0,1,1,1) & local(2)"') - 1] == "  example:"
+    wide = ok(["kinds"], env={"COLUMNS": "120"}).stdout.splitlines()
+    assert '  example: maskcli show "document(0,0,0,0,0,1,1,1) & local(2)"' in wide

@@ -1050,3 +1050,80 @@ def test_a_parameter_below_its_minimum_reads_without_nested_parentheses():
         "maskcli: error: window(-2): window must be at least 1, got -2; window = keys each query sees: itself and the "
         "W-1 before it (Hugging Face's count; FlashAttention window_size=(W-1, 0))\n"
     )
+
+
+def test_what_was_written_wraps_between_words_on_a_narrow_terminal(tmp_path, monkeypatch):
+    """The note beside --png of a long mask was echoed as one line, so a 60-column terminal cut it mid-number
+    ('4,09' / '6 x 4,096'): it wraps at spaces now, as warnings do."""
+    monkeypatch.chdir(tmp_path)
+    path = "c.png"
+    result = ok(["show", "causal", "--len", "4096", "--png", path], env={"COLUMNS": "60"})
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"wrote {path}",
+        "the terminal map is left out beside --png for a mask of",
+        "4,096 x 4,096: the figure has it; run without --png to",
+        "print the map too",
+    ]
+    piped = ok(["show", "causal", "--len", "4096", "--png", path])
+    assert piped.stderr.splitlines()[1] == ("the terminal map is left out beside --png for a mask of 4,096 x 4,096: "
+                                            "the figure has it; run without --png to print the map too")
+
+
+def test_an_option_of_another_command_says_which_command_takes_it():
+    """`show causal --stages` offered '--as, --save, --sizes' (click's look-alikes), where --stages is attend's: the
+    one line names the commands that take the option; a typo of the command's own options still gets click's guesses."""
+    result = invoke(["show", "causal", "--len", "6", "--stages"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == ("maskcli: error: No such option: --stages (it is an option of maskcli attend) "
+                             "(see 'maskcli show --help')\n")
+    result = invoke(["kinds", "--len", "3"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("maskcli: error: No such option: --len (it is an option of maskcli show, chunk, blocks, diff, "
+                                    "attend, verify, export and shard)")
+    result = invoke(["show", "causal", "--lne", "3"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("maskcli: error: No such option: --lne (Possible options: --align, --kv-len, --len)")
+
+
+def test_the_summary_wraps_between_words_on_a_narrow_terminal():
+    """--summary was echoed as long lines that a 60-column terminal cut mid-word ('(0.01%) · ex' / 'act, from key
+    intervals'); it wraps at spaces now, its indented lines under their indent."""
+    text = ok(["show", "window(128)", "--len", "1048576", "--summary"], env={"COLUMNS": "60"}).stdout
+    assert text.splitlines() == [
+        "window(128) · shape (B=1, H=1, Lq=1048576, Lk=1048576)",
+        "visible cells: 134,209,600 of 1,099,511,627,776 (0.01%) ·",
+        "exact, from key intervals",
+        "keys per query row: min 1 · median 128 · max 128",
+        "rows that see no key: none",
+        "attention FLOPs: 4·D per visible cell = 536,838,400·D,",
+        "0.01% of dense (4,398,046,511,104·D) for head size D",
+    ]
+    batched = ok(["show", "causal", "--len", "8", "--lengths", "5,3", "--heads", "2", "--summary"], env={"COLUMNS": "60"}).stdout
+    assert "  keys per query row (every head's): min 1 · median 4.5 ·\n  max 5\n" in batched
+    piped = ok(["show", "window(128)", "--len", "1048576", "--summary"]).stdout
+    assert "visible cells: 134,209,600 of 1,099,511,627,776 (0.01%) · exact, from key intervals\n" in piped
+
+
+def test_at_60_columns_the_header_wraps_between_its_parts_and_stands_in():
+    """The header and legend wrapped at the last space that fit, to column 0: 'causal · shape (B=1, H=1, Lq=2, Lk=6) ·
+    queries 4-5 · keys' then '0-5' alone, read as a row of the table; 'shape (B=1, H=1, Lq=5,' / 'Lk=5)'. They
+    wrap between their ' · ' parts now, further lines two cells in."""
+    def head(*args):
+        return ok(["show", *args], env={"COLUMNS": "60"}).stdout.splitlines()
+
+    assert head("prefill", "--offset", "4", "--len", "2")[:3] == [
+        "causal · shape (B=1, H=1, Lq=2, Lk=6) · queries 4-5 ·",
+        "  keys 0-5",
+        "convention: keep (bool, 1 = True = may attend, 0 = masked)",
+    ]
+    assert head("document(0,0,1,1,1) & window(2)")[:5] == [
+        "document(0,0,1,1,1) & window(2) ·",
+        "  shape (B=1, H=1, Lq=5, Lk=5)",
+        "convention: keep (bool, 1 = True = may attend, 0 = masked)",
+        "│ ─ doc boundaries (labels above the keys, beside the",
+        "  queries) · underlined: the diagonal",
+    ]
+    wide = ok(["show", "document(0,0,1,1,1) & window(2)"], env={"COLUMNS": "120"}).stdout.splitlines()
+    assert wide[0] == "document(0,0,1,1,1) & window(2) · shape (B=1, H=1, Lq=5, Lk=5)"
+    assert wide[2] == "│ ─ doc boundaries (labels above the keys, beside the queries) · underlined: the diagonal"

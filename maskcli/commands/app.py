@@ -356,7 +356,8 @@ app = MaskcliTyper(
     name="maskcli",
     help="See and check attention masks: build them from kinds and expressions, show them as tables, "
     "exact density maps or heatmaps, and run attention through them.",
-    epilog="Examples: maskcli show causal --len 6 · maskcli show \"document(0,0,1,1) & window(2)\" · maskcli kinds",
+    # one example a line, as each command's help has them: on one line, a narrow terminal broke one in two
+    epilog="Examples:\nmaskcli show causal --len 6\nmaskcli show \"document(0,0,1,1) & window(2)\"\nmaskcli kinds",
     no_args_is_help=True,
     add_completion=True,
     context_settings={"help_option_names": ["-h", "--help"]},

@@ -141,7 +141,12 @@ def attend(
         return
 
     console = make_console()
-    console.print(report.run_header(run.mask, run.stages, run.device, run.source), style="bold", highlight=False)
+    from rich.text import Text
+
+    from maskcli.render.breaking import Dotted
+
+    # wrapped between its ' · ' parts, two cells in ('fill:' / 'masked_fill -inf' at column 0 read as a line of its own)
+    console.print(Dotted(Text(report.run_header(run.mask, run.stages, run.device, run.source), style="bold")))
     pairs = report.selection(shape, batch_index, head)
     note = report.selection_note(shape, pairs, "the tables", chosen)
     if note:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -10,6 +11,7 @@ from maskcli.commands.app import app, check_write, done, echo, make_console
 from maskcli.commands.options import Expr, Html, examples, mask_options
 from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
+from maskcli.render import wrapped
 
 BlockOpt = Annotated[str, typer.Option("--block", help="Block size: 128 (FlexAttention's BLOCK_SIZE), or Q,KV for unequal query and key blocks like 128,64.")]
 BlocksPng = Annotated[str | None, typer.Option("--png", metavar="FILE", help="Write a figure of full, partial and empty blocks: .png, .svg or .pdf (a directory: named after the mask).")]
@@ -103,7 +105,7 @@ def blocks(
         save_page(page, html_path)
         done(f"wrote {html_path}")
     if summary:
-        echo(render.summary_json(found) if json_ else render.summary_text(found))
+        echo(render.summary_json(found) if json_ else wrapped(render.summary_text(found), sys.stdout).rstrip("\n"))  # between words
         return
     if json_:
         echo(render.blocks_json(found))

@@ -139,42 +139,62 @@ def _shown_convention(analysis) -> tuple[str, str, str | None]:
 def _print_report(analysis, report: dict, mask) -> None:
     from rich.text import Text
 
+    from maskcli.render import hanging
     from maskcli.render.masks import mask_views
     from maskcli.render.tables import findings_text
 
     console = make_console(highlight=False)
     convention, structure = analysis.convention, analysis.structure
-    text = Text()
-    text.append(f"{report['file']}", style="bold")
-    text.append(f": {report['dtype']} {report['shape']}\n")
-    text.append(f"shape: {report['broadcast']}\n")
-    text.append("fits: " + "\n      ".join(report["apis"]) + "\n")
+    # each line's wrapped lines stand under its text, not at column 0 (where the second API of `fits:` lost its
+    # place under the first, and a wrapped line read as a line of its own)
+    lines = [hanging(Text(f"{report['file']}: ", style="bold"), Text(f"{report['dtype']} {report['shape']}")),
+             hanging("shape: ", Text(report["broadcast"])),
+             hanging("fits: ", Text("\n".join(report["apis"])))]
     how = {"values": "", "structure": "", "guess": " (a guess)", "cannot tell": " (cannot tell)"}[convention.how]
-    text.append(f"convention: {convention.name}{how}", style="bold")
-    text.append(f" — {convention.note}\n")
+    lines.append(hanging(Text("convention: ", style="bold"), Text.assemble((f"{convention.name}{how}", "bold"), f" — {convention.note}")))
     if structure.expression is not None:
-        text.append(f"structure: {structure.expression}", style="bold")
-        text.append(f" — rebuild it with: {structure.command}\n")
+        lines.append(_Rebuilt(Text.assemble(("structure: ", "bold"), (structure.expression, "bold")), structure.command))
         if structure.note:
-            text.append(f"  {structure.note}\n", style="dim")
+            lines.append(hanging("  ", Text(structure.note, style="dim")))
         if structure.also:
-            text.append(f"  also rebuilt by: {structure.also}\n", style="dim")
+            lines.append(hanging("  also rebuilt by: ", Text(structure.also), style="dim"))
     else:
-        text.append("structure: none recognised", style="bold")
-        text.append(f" — {structure.note}\n")
+        lines.append(hanging(Text("structure: ", style="bold"), Text.assemble(("none recognised", "bold"), f" — {structure.note}")))
         if structure.closest:
             close = structure.closest
             apart = close["cells_apart"]
-            text.append(f"  closest: {close['command']}, {apart:,} cell{'s' if apart != 1 else ''} apart\n", style="dim")
+            lines.append(hanging("  closest: ", Text(f"{close['command']}, {apart:,} cell{'s' if apart != 1 else ''} apart"), style="dim"))
             for line in close["rows"][:3]:
-                text.append(f"    {line}\n", style="dim")
-    console.print(text, end="")
+                lines.append(hanging("    ", Text(line), style="dim"))
+    for line in lines:
+        console.print(line)
     console.print(findings_text(analysis.findings) if analysis.findings else Text("findings: none", style="green"))
     shown, dtype_name, note = _shown_convention(analysis)
     if note:
         console.print(Text(note, style="dim"))
     for view in mask_views(mask, shown, dtype_name, console):
         console.print(view)
+
+
+class _Rebuilt:
+    """'structure: EXPR — rebuild it with: COMMAND' on one line where it fits; else the command on a line of its own
+    under the structure, whole where it fits (wrapped after 'rebuild it with:', it broke in the middle of the command)."""
+
+    def __init__(self, head, command: str):
+        self.head, self.command = head, command
+
+    def __rich_console__(self, console, options):
+        from rich.cells import cell_len
+        from rich.text import Text
+
+        from maskcli.render import hanging
+
+        line = Text.assemble(self.head, f" — rebuild it with: {self.command}")
+        if cell_len(line.plain) <= options.max_width:
+            yield line
+            return
+        yield hanging(Text("structure: ", style="bold"), self.head[len("structure: "):])
+        yield hanging("  rebuild it with: ", Text(self.command))  # a command wider than its room wraps under itself
 
 
 @app.command(

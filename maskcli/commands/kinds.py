@@ -66,6 +66,8 @@ def kinds(
     from rich.padding import Padding
     from rich.text import Text
 
+    from maskcli.render.breaking import Breaking
+
     blocks = []
     for kind in all_kinds():
         head = Text()
@@ -73,14 +75,39 @@ def kinds(
         head.append(f"   keeps {kind.keep}", style="cyan")
         if kind.aliases:
             head.append(f"   (also: {', '.join(kind.aliases)})", style="dim")
-        body = Text(kind.meaning + "\n")
+        body = [Breaking(Text(kind.meaning))]
         for param in kind.params:
-            body.append(f"{param.metavar} ", style="bold")
-            body.append(f"{param.flag}  ", style="green")
+            line = Text()
+            line.append(f"{param.metavar} ", style="bold")
+            line.append(f"{param.flag}  ", style="green")
             default = "" if param.required or param.default is None else f" (default {param.default})"  # None: its help says
             sizes = "; or sizes=[3,5] / --sizes 3,5" if param.sizes else ""
-            body.append(f"{param.help}{default}{sizes}\n")
-        body.append("example: ", style="dim")
-        body.append(example_command(kind))
-        blocks += [head, Padding(body, (0, 0, 1, 2))]
+            line.append(f"{param.help}{default}{sizes}")
+            body.append(Breaking(line, indent=2))  # its wrapped lines under its text, not taken for the next parameter
+        body.append(_Example(example_command(kind)))
+        # a wrapped head stands in, under the name: at column 0 it read as the next kind
+        blocks += [Breaking(head, indent=4), Padding(Group(*body), (0, 0, 1, 2))]
     make_console(highlight=False).print(Group(*blocks))
+
+
+class _Example:
+    """'example: COMMAND' on one line; where that does not fit, the command whole on a line of its own, so that it
+    copies as one (wrapped, it broke inside its quoted expression); only a command wider than any line wraps."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __rich_console__(self, console, options):
+        from rich.cells import cell_len
+        from rich.text import Text
+
+        from maskcli.render.breaking import Breaking
+
+        lead = Text("example: ", style="dim")
+        if cell_len(lead.plain + self.command) <= options.max_width:
+            yield lead + Text(self.command)
+        elif cell_len(self.command) <= options.max_width:
+            yield Text("example:", style="dim")
+            yield Text(self.command)
+        else:
+            yield Breaking(lead + Text(self.command), indent=2)

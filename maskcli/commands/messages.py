@@ -23,8 +23,25 @@ def smaller(args: list[str]) -> str:
     return "use a smaller --len (or fewer batch rows or heads, or a larger --block)"
 
 
+def _elsewhere(error) -> str | None:
+    """For an option the command does not take, the other commands that take it: click offers only the command's
+    options that look alike (show --stages: '--as, --save, --sizes'), where the option is another command's."""
+    ctx, name = getattr(error, "ctx", None), getattr(error, "option_name", None)
+    if ctx is None or not name or not name.startswith("--") or ctx.parent is None:
+        return None
+    group = ctx.find_root().command
+    owners = [command for command, cli in getattr(group, "commands", {}).items()
+              if command != ctx.info_name and any(name in param.opts for param in cli.params)]
+    if not owners:
+        return None
+    listed = owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} and {owners[-1]}"
+    return f"No such option: {name} (it is an option of maskcli {listed})"
+
+
 def usage_message(error, args: list[str]) -> str:
     """click's message, with the value the user gave quoted where a value was bad."""
+    if type(error).__name__ == "NoSuchOption" and (elsewhere := _elsewhere(error)) is not None:
+        return elsewhere
     param = getattr(error, "param", None)
     message = getattr(error, "message", None)
     if param is None or not message or not getattr(param, "opts", None) or type(error).__name__ != "BadParameter":

@@ -38,8 +38,8 @@ def done(message: str) -> None:
 
 def flush_written() -> None:
     flush_warnings()
-    for message in _written:
-        typer.echo(message, err=True)
+    for message in _written:  # wrapped between words on a terminal, as warnings are (not where the terminal cuts)
+        typer.echo(wrapped(message, sys.stderr), err=True, nl=False)
     _written.clear()
 
 

@@ -150,7 +150,7 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
         grid = parse_grid(output.grid) if output.grid is not None else DEFAULT_GRID
         with progress("counting") as update:
             summary = summarise(mask, grid, update, with_grid=json_out)
-        echo(summary_json(summary) if json_out else summary_text(summary))
+        echo(summary_json(summary) if json_out else wrapped(summary_text(summary), sys.stdout).rstrip("\n"))  # between words
         return
     if answers is not None:
         from maskcli.render.why import why_dumps, why_text

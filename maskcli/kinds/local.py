@@ -210,7 +210,7 @@ KINDS = (
         "back and every later one; Gemma 3's sliding layers with images are (causal | blocks(...)) & lookback(W)",
         keep="q - W < kv",
         params=(Param("window", "int", "how far back each query sees: itself and the W-1 keys before it, as in window(W) (Hugging Face's sliding_window)", "--window", minimum=1, metavar="W"),),
-        example="(causal | blocks(-1,0,0,0,-1,-1)) & lookback(2)",
+        example="(causal | blocks(-1,0,0,-1)) & lookback(2)",  # 4 tokens: the command fits 60 columns
         intervals=_lookback_intervals,
         predicate=_lookback_predicate,
         why=_lookback_why,

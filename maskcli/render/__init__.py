@@ -38,7 +38,7 @@ class _Hanging:
         from maskcli.render.breaking import Breaking
 
         text = self.text if isinstance(self.text, Text) else Text(str(self.text))
-        if cell_len(self.lead) > max(24, options.max_width // 3):
+        if cell_len(str(self.lead)) > max(24, options.max_width // 3):  # a Text lead (a styled label) too
             yield Breaking(Text.assemble(self.lead, text, style=self.style), indent=2)
             return
         grid = Table.grid()

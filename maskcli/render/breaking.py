@@ -129,3 +129,62 @@ class Fitted:
             yield from self.lines
         else:
             yield table
+
+
+def dotted_breaks(line: str, width: int, indent: int = 2) -> list[int]:
+    """Offsets at which to break `line`, a list of parts joined by ' · ' (a view's header: 'causal · shape (...) ·
+    queries 4-5 · keys 0-5'), so that its first line fits `width` cells and the others `width - indent`: between
+    parts, each part whole on its line where it fits (at a space, 'keys' / '0-5' read as a row of the table below),
+    and a part wider than its line at break_points."""
+    from rich.cells import cell_len
+
+    sep = " · "
+    parts, at = [], 0
+    pieces = line.split(sep)
+    for number, piece in enumerate(pieces):
+        end = at + len(piece) + (len(sep) - 1 if number < len(pieces) - 1 else 0)  # ' ·' ends each part but the last
+        parts.append((at, end))
+        at += len(piece) + len(sep)
+    breaks: list[int] = []
+    start, room = 0, width
+    for a, e in parts:
+        if cell_len(line[start:e]) <= room:
+            continue  # the part joins its line
+        if a > start and cell_len(line[a:e]) <= max(1, width - indent):  # a new line for it, after this line's parts
+            breaks.append(a)
+            start, room = a, max(1, width - indent)
+            continue
+        inner = break_points(line[start:e], room, room - max(1, width - indent))  # wider than a line: at its spaces
+        breaks += [start + b for b in inner]
+        if inner:
+            start, room = start + inner[-1], max(1, width - indent)
+    return breaks
+
+
+class Dotted:
+    """A rich renderable of `text` (a rich Text) whose lines wrap at dotted_breaks, their further lines `indent`
+    cells in."""
+
+    def __init__(self, text, indent: int = 2):
+        from rich.text import Text
+
+        self.text = text if isinstance(text, Text) else Text(text)
+        self.indent = indent
+
+    def __rich_console__(self, console, options):
+        from rich.segment import Segment
+        from rich.text import Text
+
+        width = options.max_width
+        for line in self.text.split("\n", allow_blank=True):
+            for number, piece in enumerate(line.divide(dotted_breaks(line.plain, width, self.indent))):
+                if number:
+                    piece = piece[len(piece.plain) - len(piece.plain.lstrip(" ")):]
+                    piece = Text(" " * self.indent, end="") + piece
+                piece.rstrip()
+                piece.end = ""
+                yield from piece.render(console)
+                yield Segment.line()
+
+    def __rich_measure__(self, console, options):
+        return Breaking(self.text, self.indent).__rich_measure__(console, options)

@@ -180,15 +180,19 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
         texts = ("1", "0")
         labels = _table_labels(mask, texts, console, marks[0])
     maybe_table = labels is not None
-    views: list = [Text(header(mask, convention, dtype), style="bold")]
+    from maskcli.render.breaking import Dotted
+
+    # the header and legend wrap between their ' · ' parts, further lines two cells in (at column 0, a header's last
+    # words, 'keys' / '0-5', read as a row of the table under it)
+    views: list = [Dotted(Text(header(mask, convention, dtype), style="bold"))]
     if maybe_table:
         row_labels, col_labels, note, compact = labels
         for line in (shorter, note):
             if line:
-                views.append(Text(line, style="dim"))
+                views.append(Dotted(Text(line, style="dim")))
         legend = max((m.legend() for m in marks), key=len)
         if legend:
-            views.append(Text(legend, style="dim"))
+            views.append(Dotted(Text(legend, style="dim")))
     elif mask.tokens is not None:
         views.append(Text("--tokens not shown: a density map has no room for words", style="dim"))
     tabled = False
