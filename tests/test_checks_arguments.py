@@ -67,6 +67,9 @@ BUGS = [
     # NVIDIA/NeMo#5450 (written blind, batch blind-cw): FastPitch's MultiHeadAttn copied q/k/v batch-major
     # (permute(0, 2, 1, 3).reshape) while its key padding was tiled head-major (`.repeat(n_head, ...)`)
     ("nemo_fastpitch_multiheadattn_batch_major_heads_vs_head_major_mask", "padding-ignored"),
+    # agemagician/Ankh#24 again (fixed in commit 50f011f; written blind anew, batch blind-dv, caught before any rule was
+    # changed for it): the README's feature extraction keeps only ['input_ids'] of the padded batch
+    ("ankh_feature_extraction_readme_drops_attention_mask", "padding-ignored"),
 ]
 
 
