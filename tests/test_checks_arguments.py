@@ -259,6 +259,19 @@ def test_a_static_length_batch_embedded_without_its_attention_mask(tmp_path):
     assert hit["source"].startswith("input ids equal to the pad id 0"), hit
 
 
+def test_proteins_batched_by_pad_sequence_embedded_without_their_attention_mask(tmp_path):
+    """agemagician/Ankh#24's bug written another way: ProtBert-style proteins (lengths 24, 11, 17 with [CLS] and [SEP])
+    batched by pad_sequence at BertConfig's pad id 0, BertModel called with the ids alone; the first cell and the count
+    are a double loop's (a real query, a pad key); the fix hands the mask built from the lengths and is quiet."""
+    [hit] = check_bug(tmp_path, "protbert_pad_sequence_embeddings_without_attention_mask", "padding-ignored",
+                      folder=ARGS)
+    lengths, width = [24, 11, 17], 24
+    assert tuple(hit["cell"]) == first((3, width, width), lambda b, q, k: q < lengths[b] <= k), hit
+    cells = sum(1 for b in range(3) for q in range(width) for k in range(width) if q < lengths[b] <= k)
+    assert f"{cells} such cells" in " ".join(hit["message"].split()), hit
+    assert hit["source"].startswith("input ids equal to the pad id 0"), hit
+
+
 def test_multiple_choice_candidates_pad_mask_handed_as_keep(tmp_path):
     """Written another way: (batch, choices, tokens) ids flattened to one MHA row per choice, left-padded with the pad
     id its embedding states, the mask of real tokens handed as key_padding_mask; the first cell is a double loop's
