@@ -21,16 +21,18 @@ MOST = 16  # poolings kept per outermost module call
 
 
 def weighs_or(trace, wanted):
-    """entry.py's test of a mul for what follows it: `wanted`'s, or an operand that is held weights or a view of them
-    (read off the ids alone: every mul a model runs passes here)."""
+    """entry.py's test of a mul for what follows it, `wanted`'s, after keeping the pooling where an operand is held
+    weights or a view of them (read off the ids first: every mul a model runs passes here)."""
 
     def either(args: tuple, kwargs: dict, out) -> bool:
         pooled = trace._pooled
-        if pooled is not None and pooled.held and len(args) == 2:
+        if pooled is not None and pooled.held and len(args) == 2 and not trace._local.busy:
             held = pooled.held
-            for x in args:
-                if type(x) is torch.Tensor and (id(x) in held or x._base is not None and id(x._base) in held):
-                    return True
+            if any(type(x) is torch.Tensor and (id(x) in held or x._base is not None and id(x._base) in held)
+                   for x in args):
+                pool = weighting(pooled, args)
+                if pool is not None:
+                    pool.keep(trace)
         return wanted(args, kwargs, out)
 
     return either
