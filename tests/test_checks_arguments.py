@@ -67,6 +67,9 @@ BUGS = [
     # NVIDIA/NeMo#5450 (written blind, batch blind-cw): FastPitch's MultiHeadAttn copied q/k/v batch-major
     # (permute(0, 2, 1, 3).reshape) while its key padding was tiled head-major (`.repeat(n_head, ...)`)
     ("nemo_fastpitch_multiheadattn_batch_major_heads_vs_head_major_mask", "padding-ignored"),
+    # agemagician/Ankh#24 again (fixed in commit 50f011f; written blind anew, batch blind-dv, caught before any rule was
+    # changed for it): the README's feature extraction keeps only ['input_ids'] of the padded batch
+    ("ankh_feature_extraction_readme_drops_attention_mask", "padding-ignored"),
 ]
 
 
@@ -253,6 +256,19 @@ def test_a_static_length_batch_embedded_without_its_attention_mask(tmp_path):
     [hit] = check_bug(tmp_path, "bert_max_length_batch_embedded_without_attention_mask", "padding-ignored", folder=ARGS)
     lengths = [5, 8]
     assert tuple(hit["cell"]) == first((2, 12, 12), lambda b, q, k: q < lengths[b] <= k), hit
+    assert hit["source"].startswith("input ids equal to the pad id 0"), hit
+
+
+def test_proteins_batched_by_pad_sequence_embedded_without_their_attention_mask(tmp_path):
+    """agemagician/Ankh#24's bug written another way: ProtBert-style proteins (lengths 24, 11, 17 with [CLS] and [SEP])
+    batched by pad_sequence at BertConfig's pad id 0, BertModel called with the ids alone; the first cell and the count
+    are a double loop's (a real query, a pad key); the fix hands the mask built from the lengths and is quiet."""
+    [hit] = check_bug(tmp_path, "protbert_pad_sequence_embeddings_without_attention_mask", "padding-ignored",
+                      folder=ARGS)
+    lengths, width = [24, 11, 17], 24
+    assert tuple(hit["cell"]) == first((3, width, width), lambda b, q, k: q < lengths[b] <= k), hit
+    cells = sum(1 for b in range(3) for q in range(width) for k in range(width) if q < lengths[b] <= k)
+    assert f"{cells} such cells" in " ".join(hit["message"].split()), hit
     assert hit["source"].startswith("input ids equal to the pad id 0"), hit
 
 

@@ -37,6 +37,7 @@ class Top:
     end: int = 0
     stated: tuple = ()  # maskcli.checks.intent.Stated: the configs the program states its attention in (trace/stated.py)
     convs: tuple = ()  # what the call's time-mixing convolutions read of its padded frames (trace/convpad.py)
+    pools: tuple = ()  # the positions each of its attention poolings weighs (trace/poolweights.py: pooledpad.py)
     rows: tuple = ()  # (name, one hash per row of its first axis) of each small tensor argument (trace/samplerows.py)
     state_writes: int | None = None  # module state assigned before the call began (trace/assigned.py: continued.py)
 

@@ -73,6 +73,7 @@ class Trace(Outer, Follow):
         self._lock = threading.RLock()
         self.readers = readers.watched(self)  # (the loss: what it states, no call recorded: trace/losses.py)
         self._convs: dict = {}  # id(an outermost module call held) -> what its convolutions read (convpad.py)
+        self._pools: dict = {}  # id(an outermost module call held) -> the positions its poolings weigh (poolweights.py)
         if "sdpa" in self.apis:
             self.readers[entry.sdpa()] = readers.sdpa
         if "mha" in self.apis:

@@ -23,10 +23,12 @@ import torch
 import torch.nn.functional as F
 
 import maskcli.trace.assigned as assigned
+from maskcli.trace.after import MULS
 from maskcli.trace.discarded import FILLS, wanted as _fill
 from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
+from maskcli.trace.poolweights import weighs_or
 from maskcli.trace.scores import MATMULS, per_graph
 from maskcli.trace.unseen import plain, unseen
 
@@ -67,6 +69,8 @@ def _wrapper(trace, original, stands_for, kind: str):
     during, mode, local, after = trace.compiled.during, trace.mode_for_compile, trace._local, trace.after_call
     attention = stands_for is sdpa()
     wanted = _WANTED[kind]
+    if kind == SUM and stands_for in MULS:  # (or a softmax's weights weighing values: trace/poolweights.py)
+        wanted = weighs_or(trace, wanted)
     if kind == FILL:
         after = trace.after_fill
 

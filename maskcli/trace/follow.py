@@ -13,7 +13,9 @@ import maskcli.trace.masks as readers
 from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.layouts import heads_first, reader as laid
 from maskcli.trace.mode import Mode, building, has_values
+from maskcli.trace.after import MULS
 from maskcli.trace.pooled import Pooled
+from maskcli.trace.poolweights import Pool, weighting
 from maskcli.trace.posbias import bias_of
 from maskcli.trace.ranked import TOPS, Ranked
 from maskcli.trace.overflow import IN_PLACE, WATCHED
@@ -249,8 +251,14 @@ class Follow:
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
         if func in MATMULS and self._pooled is not None and self._pooled.held and not self.busy:
             reader = self._pooled.product(func, args, kwargs)  # (weights summed off their softmax's axis: pooled.py)
-            if reader is not None:
+            if isinstance(reader, Pool):  # (or over it: a pooling, kept with its model call, poolweights.py)
+                reader.keep(self)
+            elif reader is not None:
                 self.capture(reader, args, kwargs)
+        if func in MULS and self._pooled is not None and self._pooled.held and not self.busy:
+            pool = weighting(self._pooled, args)  # (weights weighing values over their own axis: poolweights.py)
+            if pool is not None:
+                pool.keep(self)
         if self.scores is not None:
             if func in TOPS:  # (a sparse top-k ranking scores along their keys: trace/ranked.py)
                 self.ranked = self.ranked or Ranked()

@@ -118,6 +118,7 @@ class Outer:
             return
         held[0] = None  # (its frame let go: the program's variables are its own again)
         convs = self._convs.pop(id(held), ())  # (what its convolutions read: trace/convpad.py)
+        pools = self._pools.pop(id(held), ())  # (the positions its poolings weigh: trace/poolweights.py)
         for key, value in list(self._outers.items()):
             if value is held:
                 del self._outers[key]
@@ -144,7 +145,7 @@ class Outer:
             found.stated = stated[1]
         else:  # read once the run is over (settle()), from the frames kept as it was called
             self._pending.append((found, module))
-        found.convs = tuple(convs)
+        found.convs, found.pools = tuple(convs), tuple(pools)
         self._tops.append(found)
         if losses:
             from maskcli.trace.losses import inside

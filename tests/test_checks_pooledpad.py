@@ -1,0 +1,97 @@
+"""checks/pooledpad.py (and trace/poolweights.py, which keeps the positions each attention pooling weighs): a pooling
+softmax that gives weight to positions the model call states are padding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkbugs import check_bug, traced
+from maskcli.trace.capture import Trace
+
+POOLEDPAD = Path(__file__).parent / "data" / "pooledpad"
+
+
+def test_prokbert_sequence_classification_pooling_softmax_over_padding(tmp_path):
+    """nbrg-ppcu/prokbert PR #109 (commit bed3693; written blind, batch blind-dv): ProkBertForSequenceClassification
+    pools with softmax(weighting_layer(h), dim=1) over every position, then sum(weights * h, dim=1); the fix fills the
+    scores at attention_mask == 0 with -inf first."""
+    [hit] = check_bug(tmp_path, "prokbert_sequence_classification_attention_pooling_ignores_padding",
+                      "pooled-over-padding")
+    # the program's own batch: a 22-token segment and an 11-token one padded to 22: row 1's pads are 11..21
+    long_len, short_len = 1 + 20 + 1, 1 + 9 + 1
+    assert tuple(hit["cell"]) == (1, 0, short_len)
+    assert f"({long_len - short_len} such positions)" in " ".join(hit["message"].split())
+
+
+def test_left_padded_classifier_pooled_by_bmm(tmp_path):
+    """Written another way: a plain-PyTorch classifier over a left-padded batch (lengths 12, 7, 9), its `padding_mask`
+    True on the pads, the (B, L) scores softmaxed and pooled by torch.bmm(alpha.unsqueeze(1), h)."""
+    [hit] = check_bug(tmp_path, "transformer_classifier_left_padded_bmm_pooling_over_pads", "pooled-over-padding",
+                      POOLEDPAD)
+    lengths, width = (12, 7, 9), 12
+    pads = sum(width - n for n in lengths)  # (left padding: row b's pads are 0 .. width - n - 1)
+    assert tuple(hit["cell"]) == (1, 0, 0)
+    assert f"({pads} such positions)" in " ".join(hit["message"].split())
+    assert "padding_mask" in hit["message"]
+
+
+def test_masked_poolings_are_quiet(tmp_path):
+    """AllenNLP's masked_softmax (times the mask, renormalised), a multi-head pooling filled with -inf at the pads
+    before its softmax and pooled by an einsum, an unpadded batch pooled by sum(weights * h): no finding."""
+    status, found, report = traced(tmp_path, "masked_poolings_correct", False, POOLEDPAD)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def _pools(pool) -> tuple:
+    """What trace/poolweights.py kept of the poolings `pool` made inside one outermost module call."""
+    class Model(torch.nn.Module):
+        def forward(self, h):
+            q = h[:, None]
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            return pool(h)
+
+    with Trace() as t:
+        Model()(torch.randn(2, 5, 4))
+    return t.tops[0].pools
+
+
+@pytest.mark.parametrize("form", ["mul", "rmul", "bmm", "einsum", "einsum_heads"])
+def test_the_positions_weighed_against_a_loop(form):
+    """Each way a pooling applies its weights keeps, per batch row, the positions given a weight above 1e-6 (by any
+    query), read against a loop over the weights; row 1's last two scores filled with -inf weigh nothing."""
+    scores = torch.randn(2, 3, 5)
+    scores[1, :, 3:] = float("-inf")
+
+    def pool(h):
+        if form in ("mul", "rmul"):
+            w = torch.softmax(scores[:, 0, :, None], dim=1)  # (2, 5, 1)
+            return torch.sum(w * h if form == "mul" else h * w, dim=1)
+        if form == "bmm":
+            return torch.bmm(torch.softmax(scores[:, 0], dim=-1).unsqueeze(1), h)
+        if form == "einsum":
+            return torch.einsum("bl,bld->bd", torch.softmax(scores[:, 0], dim=1), h)
+        return torch.einsum("bhl,bld->bhd", scores.softmax(dim=-1), h)
+
+    [kept] = _pools(pool)
+    heads = 3 if form == "einsum_heads" else 1
+    expected = [[any(torch.softmax(scores[b, q], dim=0)[k] > 1e-6 for q in range(heads)) for k in range(5)]
+                for b in range(2)]
+    assert kept["weighed"].tolist() == expected
+    assert expected[1] == [True, True, True, False, False]
+
+
+def test_weights_times_a_mask_or_renormalised_are_no_pooling():
+    """A softmax's weights times a 0/1 mask of their own shape weigh no values; what is renormalised after is no
+    softmax's result; a softmax over the batch axis pools no positions: nothing kept."""
+    mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+
+    def pool(h):
+        w = torch.softmax(torch.randn(2, 5), dim=-1) * mask
+        w = w / w.sum(-1, keepdim=True)
+        first = torch.einsum("bl,bld->bd", w, h)
+        return first + torch.einsum("bl,bld->ld", torch.softmax(torch.randn(2, 5), dim=0), h).sum()
+
+    assert _pools(pool) == ()
