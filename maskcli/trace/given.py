@@ -26,6 +26,7 @@ import sys
 import numpy as np
 import torch
 
+from maskcli.trace.crossing import CONTEXT_MASKS
 from maskcli.trace.gathered import note as _gathered
 
 CELLS = 1 << 22  # b*h*Lq*Lk past which nothing is compared (no L^2 work on a long sequence's call)
@@ -49,7 +50,7 @@ def note(seen, trace, key: str, cache: dict) -> None:
     if math.prod(shape) > CELLS or stored is not None and stored.get("form") == "stats":  # (math's: numpy's costs more)
         return
     try:
-        found = handed(shape, seen.sources)
+        found = handed(shape, seen.sources, bool((seen.details.get("cross") or {}).get("cross")))
         if found is not None:
             from maskcli.trace.store import unread_cells
 
@@ -82,9 +83,10 @@ def gathered_keys(seen, key: torch.Tensor, unmasked: bool, query=None, mask=None
             pass
 
 
-def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
+def handed(shape: tuple, sources: tuple, crossing: bool = False) -> tuple[str, torch.Tensor] | None:
     """('parameter in function()', tensor) of the nearest program frame's float mask over the call's (Lq, Lk) that is
-    not one the kernel was given; None where there is none."""
+    not one the kernel was given; None where there is none. At a cross-attention (`crossing`), a frame whose function
+    takes its memory's mask (crossing.CONTEXT_MASKS: `encoder_attention_mask`) is read for that mask alone."""
     q_len, k_len = int(shape[2]), int(shape[3])
     if q_len < 2:
         return None
@@ -99,9 +101,13 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
             searched += program
             code = frame.f_code
             label = f"{code.co_name}()" if program else f"{type(frame.f_locals['self']).__name__}'s call"
+            memory = crossing and not handed_on \
+                and not set(CONTEXT_MASKS).isdisjoint(code.co_varnames[:code.co_argcount + code.co_kwonlyargcount])
             for name, value in handed_on or _parameters(frame, code):
-                if id(value) in own:
-                    continue  # (the kernel's own mask, however it is viewed below)
+                if id(value) in own or memory and name.split()[0] not in CONTEXT_MASKS:
+                    continue  # (the kernel's own mask, however it is viewed below; or, at a cross-attention, the
+                    # queries' own mask of a layer that states its memory's mask beside it: BART's, TrOCR's layer
+                    # forward(attention_mask, encoder_attention_mask), the first handed to its self-attention only)
                 if issubclass(type(value), torch.Tensor) and value.dtype == torch.bool and name.split()[0] not in NAMES \
                         and value.dim() == 2 and tuple(value.shape) == (q_len, k_len) and q_len > 2:
                     value = value[None, None]  # (one (Lq, Lk) bool mask for every row and head: MapTR's self_attn_mask;
