@@ -104,9 +104,10 @@ def _own_keys(cells: np.ndarray, mine: np.ndarray) -> np.ndarray:
         return mine
     count = cells.sum(axis=3)  # (B, H, Lq): a row is a prefix [0, p] where it keeps p + 1 keys, its last at p
     ends = k_len - 1 - np.argmax(cells[..., ::-1], axis=3)
-    if not ((count > 0) & (ends == count - 1)).all() or (np.sort(ends, axis=2)[..., 1:] == np.sort(ends, axis=2)[..., :-1]).any() \
+    ordered = np.sort(ends, axis=2)
+    if not ((count > 0) & (ends == count - 1)).all() or (ordered[..., 1:] == ordered[..., :-1]).any() \
             or (ends == ends[:, :1]).all():
-        return mine
+        return mine  # (not causal rows, rows ending alike as padding makes them, or every head's queries the same)
     own = np.zeros((rows, heads, k_len), dtype=bool)
     np.put_along_axis(own, ends, True, axis=2)
     return own
