@@ -451,3 +451,23 @@ def test_one_row_is_none_where_the_kernel_masks_nothing():
     assert one_row(given, np.ones_like(given)) is None  # no row's mask reached the kernel: none did
     seen = np.broadcast_to(given[1], given.shape)
     assert one_row(given, seen) == 1
+
+
+def test_a_cross_attention_beside_its_layers_causal_mask_is_quiet(tmp_path):
+    """fairseq's TransformerDecoderLayer (tests/data/quiet): the layer holds the decoder's future mask
+    `self_attn_mask` and the source's `encoder_padding_mask` (None: no source pad); its encoder_attn gets no attn_mask,
+    and targets as long as their sources make the future mask as wide as its scores. The layer names its memory's
+    mask beside the other, so the other is its self-attention's: quiet (found before, as TrOCR's decoder layer was)."""
+    status, found, report = traced(tmp_path, "fairseq_decoder_layer_cross_attention_equal_lengths", False, QUIET)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_decoder_layer_dropping_its_encoder_mask_is_found_by_that_mask(tmp_path):
+    """A BART-style layer whose cross-attention is called without `encoder_attention_mask` (tests/data/dropped): found
+    by the encoder's mask, not by the layer's causal `attention_mask` of the same width; the first cell the kernel
+    sees that the padding hides, against a double loop."""
+    found = check_bug(tmp_path, "decoder_layer_cross_attention_drops_encoder_mask", "mask-argument-dropped",
+                      folder=DROPPED)
+    lengths = (5, 3)
+    assert "encoder_attention_mask of forward()" in found[0]["message"]
+    assert tuple(found[0]["cell"]) == first((2, 5, 5), lambda b, q, k: k >= lengths[b])

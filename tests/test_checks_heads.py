@@ -12,6 +12,7 @@ from maskcli.checks import heads
 from maskcli.checks.context import Run
 
 ARGS = Path(__file__).parent / "data" / "args"
+QUIET = Path(__file__).parent / "data" / "quiet"
 
 
 def test_mlx_lm_gemma2_gqa_mask_broadcast_batch(tmp_path):
@@ -61,6 +62,34 @@ def test_heads_with_their_own_windows_are_quiet(monkeypatch):
     (_, finding), = _found(wrong, monkeypatch)
     assert finding.code == "padding-per-head" and finding.cell == (0, 0, 0)
     assert "head 1 hides keys 0-1" in finding.message
+
+
+def test_heads_that_each_attend_their_own_selected_queries_are_quiet(monkeypatch):
+    """Informer's ProbSparse (tests/data/quiet_blind/informer_probsparse_probmask.py): each head of each row attends
+    only its own top-u queries, each row the causal row of its query (keys 0..p). A key no row of one head sees is
+    then a key whose own query that head did not pick: quiet. The same planes with row 1's right padding (3 real keys
+    of 8) laid on head 1 of row 0 are found: rows that end alike at the padding are no query positions."""
+    picks = [[[1, 4, 7], [0, 2, 5]], [[3, 6, 7], [1, 2, 4]]]  # (row, head) -> its selected query positions
+    n = 8
+    cells = np.zeros((2, 2, 3, n), dtype=bool)
+    for b in range(2):
+        for h in range(2):
+            for i, p in enumerate(picks[b][h]):
+                cells[b, h, i] = [k <= p for k in range(n)]  # the causal row of query p, by a loop
+    assert _found(cells, monkeypatch) == []
+    wrong = cells.copy()
+    wrong[0, 1] &= np.arange(n) < 3
+    (_, finding), = _found(wrong, monkeypatch)
+    odd = [k for k in range(n) if not wrong[0, 1, :, k].any() and wrong[0, 0, :, k].any() and k >= n - 3]
+    assert finding.code == "padding-per-head" and finding.cell == (0, odd[0], odd[0])
+
+
+def test_informer_probsparse_written_as_transformers_does_is_quiet(tmp_path):
+    """transformers' InformerProbSparseAttention (tests/data/quiet): heads folded into the batch, a finfo.min causal
+    mask gathered at each head's top-u queries; flagged padding-per-head before heads.py placed a head's queries by
+    its own causal rows."""
+    status, found, report = traced(tmp_path, "hf_informer_probsparse_decoder_additive_mask", False, QUIET)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
 
 
 def test_clip4clip_frame_mask_repeated_over_heads_lays_one_videos_padding_on_another(tmp_path):

@@ -94,3 +94,16 @@ def test_a_time_major_source_is_read_turned_only_where_asked_for_its_batch_first
     assert real.tolist() == [[True, True, True], [True, False, False]] and "time-major" in source
     assert side_tokens(top, "src")[0].shape == (3, 2) and "time-major" not in side_tokens(top, "src")[1]
     assert side_tokens(top, "src", (3, 2))[0].shape == (3, 2)
+
+
+def test_real_queries_whose_scores_are_nan_are_said_by_the_nan_not_as_blind(tmp_path):
+    """PatchTST's residual attention over right-padded series (tests/data/quiet_blind, written as correct; it is not):
+    a band of +-2 patches leaves a pad patch no key, its NaN row carried into the next layers, where the real queries'
+    scores are NaN. No mask hid their keys: nan-spread says it, real-query-blind (which reads NaN cells as no key
+    seen) does not. The NaN rows against the program's own padding: batch row 1 (4 real patches of 7)."""
+    status, found, report = traced(tmp_path, "patchtst_key_padding_residual_attention", False,
+                                   Path(__file__).parent / "data" / "quiet_blind")
+    assert status == 1, report
+    assert {f["code"] for f in found if f["severity"] == "wrong"} == {"nan-spread"}, report
+    spread = next(f for f in found if f["code"] == "nan-spread")
+    assert "query rows 0-5 of batch row 1" in spread["message"]

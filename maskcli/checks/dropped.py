@@ -87,10 +87,11 @@ def mask_dropped(run: Run) -> list:
     found, done = [], set()
     for call in [*run.calls, *run.cross]:  # (a cross-attention's handed mask is the program's word as much)
         lost = call.details.get("dropped_mask")
-        if not lost or (call.mask, lost["name"]) in done \
-                or cross(call) and "(bool" in lost["name"] and not lost.get("queries_by_keys"):
+        if not lost or (call.mask, lost["name"]) in done or cross(call) and (
+                "(bool" in lost["name"] and not lost.get("queries_by_keys") or lost.get("beside_memory_mask")):
             continue  # (a cross-attention's frames hold the queries' own bool mask too: only an additive one is read,
-            # or a bool one over its own (Lq, Lk) of two lengths, which no self-attention of the queries is: hepattn#148)
+            # or a bool one over its own (Lq, Lk) of two lengths, which no self-attention of the queries is: hepattn#148;
+            # and none of a layer that takes its memory's mask beside it by name: fairseq's self_attn_mask, trace/given.py)
         if "over_weights" in call.details:
             continue  # (a softmax over an earlier one's weights, whose scores the mask reached: checks/weighted.py)
         done.add((call.mask, lost["name"]))

@@ -68,7 +68,7 @@ def per_head(run: Run) -> list:
         inside = (own >= 0) & (own < k_len)
         mine[own[inside]] = True
         seen = cells.any(axis=2)  # (B, H, Lk)
-        odd = ~seen & seen.any(axis=1, keepdims=True) & mine[None, None, :]
+        odd = ~seen & seen.any(axis=1, keepdims=True) & _own_keys(cells, mine)
         if lead is not None and per == 1:  # (a plane that hides every key is a padded slice of a batch-like axis, an
             odd &= seen.any(axis=2, keepdims=True)  # empty MSA row: no batch row's padding, which leaves it keys)
         if not odd.any():
@@ -92,6 +92,27 @@ def per_head(run: Run) -> list:
             expected="every head of a batch row pads the same keys", source="the other heads of the same batch row",
             cell=(b, int(keys[0]), int(keys[0])))))  # (the key's own query, as absolute positions)
     return found
+
+
+def _own_keys(cells: np.ndarray, mine: np.ndarray) -> np.ndarray:
+    """(B, H, Lk): the keys whose own query is among each head's queries. `mine` (Lk,) where the queries sit as the
+    call places them; but where every plane's query rows are causal rows, each a prefix [0, p] of the keys, the p of
+    one plane's rows all distinct and the same query row ending at different p in different heads, each head attends
+    its own subset of the queries (Informer's ProbSparse: the causal rows of each head's top-u queries): a key is then
+    its own query's in a head only where one of that head's rows ends at it."""
+    rows, heads, q_len, k_len = cells.shape
+    mine = np.broadcast_to(mine, (rows, heads, k_len))
+    if q_len < 2 or heads < 2:
+        return mine
+    count = cells.sum(axis=3)  # (B, H, Lq): a row is a prefix [0, p] where it keeps p + 1 keys, its last at p
+    ends = k_len - 1 - np.argmax(cells[..., ::-1], axis=3)
+    ordered = np.sort(ends, axis=2)
+    if not ((count > 0) & (ends == count - 1)).all() or (ordered[..., 1:] == ordered[..., :-1]).any() \
+            or (ends == ends[:, :1]).all():
+        return mine  # (not causal rows, rows ending alike as padding makes them, or every head's queries the same)
+    own = np.zeros((rows, heads, k_len), dtype=bool)
+    np.put_along_axis(own, ends, True, axis=2)
+    return own
 
 
 def _heads_axis(call, heads: set, same: bool) -> bool:

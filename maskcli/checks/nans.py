@@ -37,6 +37,16 @@ def _seen_rows(call, rows: int, q_len: int) -> np.ndarray | None:
     return np.broadcast_to(cells.any(axis=(1, 3)), (rows, q_len))
 
 
+def nan_rows(call, facts: tuple = ("nan_scores",)) -> np.ndarray:
+    """bool (B, Lq): the query rows whose scores (or values: "nan_values") hold a NaN in some head (trace's facts, flat
+    over B, H, Lq)."""
+    b_len, h_len, q_len = call.shape[0], call.shape[1], call.shape[2]
+    flat = np.asarray([i for fact in facts for i in call.details.get(fact) or ()], dtype=np.int64)
+    nan = np.zeros(b_len * h_len * q_len, dtype=bool)
+    nan[flat[flat < nan.size]] = True
+    return nan.reshape(b_len, h_len, q_len).any(axis=1)
+
+
 def nan_spread(run: Run) -> list:
     """Later softmax calls whose scores are NaN in query rows an earlier call's mask let see keys, after an earlier
     call made NaN rows (every key -inf)."""
@@ -46,14 +56,10 @@ def nan_spread(run: Run) -> list:
     if not sources:
         return found
     for call in calls:
-        flat = [*(call.details.get("nan_scores") or ()), *(call.details.get("nan_values") or ())]
-        if not flat or call.api != "softmax":
+        if not (call.details.get("nan_scores") or call.details.get("nan_values")) or call.api != "softmax":
             continue
-        b_len, h_len, q_len = call.shape[0], call.shape[1], call.shape[2]
-        nan = np.zeros(b_len * h_len * q_len, dtype=bool)
-        flat = np.asarray(flat, dtype=np.int64)
-        nan[flat[flat < nan.size]] = True
-        nan = nan.reshape(b_len, h_len, q_len).any(axis=1)  # (B, Lq): rows with a NaN score in any head
+        b_len, q_len = call.shape[0], call.shape[2]
+        nan = nan_rows(call, ("nan_scores", "nan_values"))  # (B, Lq): rows with a NaN score in any head
         for source in sources:
             if source.index >= call.index or source.shape[0] != b_len:
                 continue

@@ -22,6 +22,7 @@ import re
 import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep
+from maskcli.checks.nans import nan_rows
 from maskcli.checks.real import kept_turned, stated_once
 from maskcli.checks.registry import Rule
 from maskcli.checks.tiled import batch_part
@@ -135,7 +136,9 @@ def sides(run: Run) -> list:
                     f"cells)"), expected="no real query sees a padding key", source=source, cell=(b, q, k))))
         if crossing:
             continue  # (a decoder token before any memory it may read: mllama's cross rows, masked on purpose)
-        blind = own_real & ~seen.any(axis=-1) & keys_real.any(axis=1)[:, None]
+        blind = own_real & ~seen.any(axis=-1) & keys_real.any(axis=1)[:, None] \
+            & ~np.broadcast_to(nan_rows(call), (rows, q_len))  # (a row whose scores hold a NaN: no mask hid its
+        # keys, an earlier call's NaN came through, which nans.py says)
         if blind.any():
             b, q = (int(x) for x in np.argwhere(blind)[0])
             which = np.flatnonzero(blind[b]).tolist()

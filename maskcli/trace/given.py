@@ -26,6 +26,7 @@ import sys
 import numpy as np
 import torch
 
+from maskcli.trace.crossing import CONTEXT_MASKS
 from maskcli.trace.gathered import note as _gathered
 
 CELLS = 1 << 22  # b*h*Lq*Lk past which nothing is compared (no L^2 work on a long sequence's call)
@@ -49,13 +50,14 @@ def note(seen, trace, key: str, cache: dict) -> None:
     if math.prod(shape) > CELLS or stored is not None and stored.get("form") == "stats":  # (math's: numpy's costs more)
         return
     try:
-        found = handed(shape, seen.sources)
+        reading = seen.details.get("cross")
+        found = handed(shape, seen.sources, None if reading is None else bool(reading.get("cross")))
         if found is not None:
             from maskcli.trace.store import unread_cells
 
-            lost = dropped(found, lambda: unread_cells(trace, key), shape, cache, key)
+            lost = dropped(found[:2], lambda: unread_cells(trace, key), shape, cache, key)
             if lost is not None:
-                seen.details["dropped_mask"] = lost
+                seen.details["dropped_mask"] = {**lost, "beside_memory_mask": True} if found[2] else lost
     except (Exception, SystemExit):  # noqa: BLE001 - a frame maskcli cannot read: the call is recorded all the same, without this
         pass
 
@@ -82,9 +84,12 @@ def gathered_keys(seen, key: torch.Tensor, unmasked: bool, query=None, mask=None
             pass
 
 
-def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
-    """('parameter in function()', tensor) of the nearest program frame's float mask over the call's (Lq, Lk) that is
-    not one the kernel was given; None where there is none."""
+def handed(shape: tuple, sources: tuple, crossing: bool | None = False) -> tuple[str, torch.Tensor, bool] | None:
+    """('parameter in function()', tensor, beside) of the nearest program frame's float mask over the call's (Lq, Lk)
+    that is not one the kernel was given; None where there is none. A frame whose function takes its memory's mask
+    (crossing.CONTEXT_MASKS: `encoder_attention_mask`) is read, at a cross-attention (`crossing`), for that mask alone;
+    where the call is not known for one yet (None), its other mask is returned with `beside` True (checks/dropped.py
+    leaves it to a call it reads as cross-attention)."""
     q_len, k_len = int(shape[2]), int(shape[3])
     if q_len < 2:
         return None
@@ -99,26 +104,39 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
             searched += program
             code = frame.f_code
             label = f"{code.co_name}()" if program else f"{type(frame.f_locals['self']).__name__}'s call"
+            memory = crossing is not False and _takes_memory_mask(
+                getattr(type(frame.f_locals["self"]).forward, "__code__", None) if handed_on else code)
             for name, value in handed_on or _parameters(frame, code):
-                if id(value) in own:
-                    continue  # (the kernel's own mask, however it is viewed below)
+                beside = memory and name.split()[0] not in CONTEXT_MASKS
+                if id(value) in own or beside and crossing:
+                    continue  # (the kernel's own mask, however it is viewed below; or, at a cross-attention, the
+                    # queries' own mask of a layer that states its memory's mask beside it: BART's, TrOCR's layer
+                    # forward(attention_mask, encoder_attention_mask), the first handed to its self-attention only)
                 if issubclass(type(value), torch.Tensor) and value.dtype == torch.bool and name.split()[0] not in NAMES \
                         and value.dim() == 2 and tuple(value.shape) == (q_len, k_len) and q_len > 2:
                     value = value[None, None]  # (one (Lq, Lk) bool mask for every row and head: MapTR's self_attn_mask;
                     # a plain `mask` of that shape is as often the one the function just made for the kernel itself)
                 if issubclass(type(value), torch.Tensor) and id(value) not in own and value.is_floating_point() \
                         and value.dim() >= 2 and (tuple(value.shape[-2:]) == (q_len, k_len) or _keys_over(value, shape)):
-                    return f"{name} of {label}", value
+                    return f"{name} of {label}", value, beside
                 if either is None and issubclass(type(value), torch.Tensor) and id(value) not in own \
                         and _bool_over(value, shape):  # (an additive mask a caller handed, its polarity known, wins:
-                    either = f"{name} of {label} (bool, read either way round)", _four(value)  # the bool came of it)
+                    either = f"{name} of {label} (bool, read either way round)", _four(value), beside  # the bool came of it)
                     continue
                 blocks = None if value is None or issubclass(type(value), torch.Tensor) or id(value) in own \
                     else block_diagonal(value, q_len, k_len)
                 if blocks is not None:
-                    return f"{name} of {label} ({type(value).__name__})", blocks
+                    return f"{name} of {label} ({type(value).__name__})", blocks, beside
         frame = frame.f_back
     return either
+
+
+def _takes_memory_mask(code) -> bool:
+    """The function (or the module's forward, where a module was handed the mask) takes its memory's mask by name
+    (crossing.CONTEXT_MASKS: `encoder_attention_mask`): beside it, its `attention_mask` is the queries' own."""
+    if code is None:
+        return False
+    return not set(CONTEXT_MASKS).isdisjoint(code.co_varnames[:code.co_argcount + code.co_kwonlyargcount])
 
 
 def _keys_over(value: torch.Tensor, shape: tuple) -> bool:
