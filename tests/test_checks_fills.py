@@ -36,6 +36,7 @@ def test_what_a_trace_recorded_of_a_calls_scores():
     assert [f.code for f in fills({"fill_value": -1e4, "additive": True})] == ["finite-fill", "additive"]
     assert "-10000" in fills({"fill_value": -1e4})[0].message and fills({}) == []
     assert [f.code for f in bias({"bias": True})] == ["bias"] and bias({}) == []
+    assert bias({"bias": True, "zero_one": True}) == []  # (a 0/1 float mask: ones-added says what it adds, no ALiBi)
     assert score_mod({"score_mod_read": "read: its -inf cells"}) == [] and score_mod({}) == []
     [mod] = score_mod({"score_mod_read": "not called: it raised", "score_mod_name": "alibi"})
     assert mod.code == "score-mod" and "the score_mod alibi was not called: it raised" in mod.message

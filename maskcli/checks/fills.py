@@ -32,8 +32,9 @@ def fills(details: dict) -> list[Finding]:
 
 
 def bias(details: dict) -> list[Finding]:
-    """A float attn_mask that adds more than a fill: the mask shown is only its masked cells."""
-    if not details.get("bias"):
+    """A float attn_mask that adds more than a fill: the mask shown is only its masked cells. Not said of a mask of
+    only 0 and 1 (ones-added says what it adds, and it is no bias of positions)."""
+    if not details.get("bias") or details.get("zero_one"):
         return []
     return [Finding("bias", (
         "the float attn_mask also adds values other than 0 and a fill (a bias: ALiBi, relative positions): "
