@@ -242,26 +242,6 @@ def test_a_keras_padding_mask_whose_additive_form_is_cast_to_bool_for_sdpa(tmp_p
     assert "padding_mask given to VideoEncoder" in hit["message"], hit
 
 
-def test_a_padding_mask_is_read_with_1_a_token_only_where_its_rows_say_so():
-    """A `padding_mask` with no ids beside it is read as torch's (True = padding) unless that calls a row all padding
-    while the other reading is a padded batch with a row whole (checks/real.py)."""
-    from maskcli.checks.real import stated
-
-    class Top:
-        where = "M"
-
-        def __init__(self, mask):
-            self.arguments = {"padding_mask": np.array(mask)}
-
-    right_tokens = [[1, 1, 1, 1], [1, 1, 0, 0]]  # 1 = a token: row 0 whole
-    torch_pads = [[0, 0, 0, 0], [0, 0, 1, 1]]  # True = padding: row 0 unpadded
-    inside = [[1, 1, 1, 1], [1, 0, 1, 0]]  # 0s not one run at an end: read as torch's
-    for mask, real in ((right_tokens, [[1, 1, 1, 1], [1, 1, 0, 0]]), (torch_pads, [[1, 1, 1, 1], [1, 1, 0, 0]]),
-                       (inside, [[0, 0, 0, 0], [0, 1, 0, 1]])):
-        said = stated(Top(mask), 2, 4)
-        assert said is not None and said[0].astype(int).tolist() == real, (mask, said)
-
-
 def test_retro_retrieved_padding_mask_polarity(tmp_path):
     """lucidrains/RETRO-pytorch 0b01736: `mask = retrieved == self.pad_id` kept by an Attention that keeps True: the
     encoder's self-attention over each neighbour chunk (the (batch, chunks, neighbours) axes folded into its rows) sees
