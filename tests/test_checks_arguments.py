@@ -216,6 +216,35 @@ def test_an_additive_mask_turned_into_a_key_padding_mask_by_a_threshold_it_never
     assert f"{cells} such cells" in hit["message"] and "attention_mask given to SentenceEncoder" in hit["message"], hit
 
 
+def test_nemotron_asr_eager_additive_mask_logical_not_inverted(tmp_path):
+    """huggingface/transformers PR #48817 (closed; the bug is in transformers 5.24; written blind, batch blind-dz): the
+    Nemotron ASR streaming encoder's eager path gets an additive float mask (0 / finfo.min) from
+    create_bidirectional_mask and applies `masked_fill_(mask.logical_not(), -inf)`: the allowed keys are masked, the
+    rest kept. Its `padding_mask` (1 on the 16 and 11 real frames, no ids beside it) is read with 1 = a frame, by its
+    rows (read as torch's it would call row 0 all padding). The first cell and the count are a double loop's over the
+    chunked mask (chunk 4, one left chunk) turned round; the fix (`mask == 0`) is quiet."""
+    [hit] = check_bug(tmp_path, "transformers_nemotron_asr_streaming_eager_float_mask_logical_not_inverted",
+                      "padding-ignored")
+    lengths, t = [16, 11], 16
+
+    def seen(b, q, k):  # the eager path's mask: the chunked & padding mask turned round
+        return not (0 <= q // 4 - k // 4 <= 1 and k < lengths[b])
+
+    assert tuple(hit["cell"]) == first((2, t, t), lambda b, q, k: q < lengths[b] <= k and seen(b, q, k)), hit
+    cells = sum(seen(b, q, k) for b in range(2) for q in range(lengths[b]) for k in range(lengths[b], t))
+    assert f"{cells} such cells" in hit["message"] and "wrong way round" in hit["message"], hit
+
+
+def test_a_keras_padding_mask_whose_additive_form_is_cast_to_bool_for_sdpa(tmp_path):
+    """The Nemotron bug written another way: a KerasHub-style `padding_mask` (True on the real frames, left-padded, one
+    row whole) made additive (0 / -1e9) and handed to SDPA as `extended.bool()`, True where -1e9. The first cell is a
+    double loop's (a real query, a padded key it sees); the fix (`extended == 0`) is quiet."""
+    [hit] = check_bug(tmp_path, "keras_padding_mask_additive_cast_to_bool_sdpa", "padding-ignored", folder=ARGS)
+    counts, t = [6, 4, 2], 6
+    assert tuple(hit["cell"]) == first((3, t, t), lambda b, q, k: k < t - counts[b] <= q), hit
+    assert "padding_mask given to VideoEncoder" in hit["message"], hit
+
+
 def test_retro_retrieved_padding_mask_polarity(tmp_path):
     """lucidrains/RETRO-pytorch 0b01736: `mask = retrieved == self.pad_id` kept by an Attention that keeps True: the
     encoder's self-attention over each neighbour chunk (the (batch, chunks, neighbours) axes folded into its rows) sees

@@ -912,3 +912,12 @@ def test_a_keep_mask_built_as_the_or_of_the_real_flags(tmp_path):
     found = check_bug(tmp_path, "speech_encoder_keep_mask_or_of_real_flags", "padding-unused", folder=HELD)
     lengths = (9, 5, 7)
     assert tuple(found[0]["cell"]) == first((3, 9, 9), lambda b, q, k: q < lengths[b] <= k), found[0]
+
+
+def test_a_generate_loops_decoder_mask_held_beside_its_encoder_is_not_the_encoders(tmp_path):
+    """A speech generate loop holds its decoder's left-padded mask of 7 tokens while its encoder attends 8 frames of
+    audio: the decoder model call states that very mask as its decoder_attention_mask, so it is not read as the
+    encoder's 7 tokens beside a token of the model's own (heldextra.py); the Whisper longform loop of transformers
+    PR #48028 (blind-dz), whose --fixed run main called padding-unused, in plain torch. No frame is padding: quiet."""
+    status, found, report = traced(tmp_path, "speech_generate_loop_decoder_mask_held_beside_encoder", False, HELD)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report

@@ -204,7 +204,7 @@ def test_a_keras_way_pad_mask_gets_no_alarm_and_one_kept_to_neither_reading_is_f
     # KerasHub's padding_mask (True on the tokens) AND-ed with a causal mask: the blind reproduction's fix, and a
     # decoder written another way (left padded, an eager softmax, `pad_mask`; then an SDPA decode step whose pad_mask is
     # True on the slots written so far: held.py's padding-only-attended, read as torch's, saw only the future real)
-    from checkbugs import traced
+    from checkbugs import first, traced
 
     blind = ROOT / "tests" / "data" / "blind"
     if (blind / "keras_hub_gemma2_flash_branch_skips_sliding_window.py").exists():
@@ -214,13 +214,18 @@ def test_a_keras_way_pad_mask_gets_no_alarm_and_one_kept_to_neither_reading_is_f
     status, found, report = traced(tmp_path, "keras_way_pad_mask_left_padded", False, folder)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
     status, found, report = traced(tmp_path, "keras_way_pad_mask_left_padded", False, folder, ("--query-side",))
-    hit = [f for f in found if f["code"] == "real-query-blind" and f["severity"] == "wrong"]
-    assert status == 1 and hit and tuple(hit[0]["cell"]) == (1, 0, 0), report
+    # (its rows say which way round pad_mask is, one of them whole: 1 = a token, so the real queries seeing the left
+    # pads before them are found; a double loop's first such cell)
+    lengths, t = [7, 4, 5], 7
+    hit = [f for f in found if f["code"] == "padding-ignored" and f["severity"] == "wrong"]
+    assert status == 1 and hit, report
+    assert tuple(hit[0]["cell"]) == first((3, t, t), lambda b, q, k: k < t - lengths[b] <= q), report
 
 
 def test_a_pad_mask_is_read_the_way_round_its_ids_say():
     """A `pad_mask` / `padding_mask` (names both conventions use) is torch's, 1 = padding, unless that reading calls a
-    row all padding while the ids hold one id at each of its 0s and never at a 1: then its 1s are the tokens."""
+    row all padding while the ids hold one id at each of its 0s and never at a 1, or, with no ids beside it, while its
+    0s are one run at the same end of each row (a padded batch read the other way): then its 1s are the tokens."""
     lengths = np.array([4, 2])
     expected = [[k < n for k in range(4)] for n in lengths]  # right-padded rows of 4 and 2 tokens
     ones_on_tokens = np.array(expected, dtype=np.int64)
@@ -231,9 +236,16 @@ def test_a_pad_mask_is_read_the_way_round_its_ids_say():
         # torch's way round (1 = padding) is still read as torch's, with the same ids
         real, _, _ = stated(Top("Model", arguments={name: 1 - ones_on_tokens, "input_ids": ids}), 2, 4)
         assert real.tolist() == expected
-        # without ids to say otherwise, torch's reading stands
+        # without ids, the rows say it: torch's reading would call row 0 all padding, the other a padded batch
         real, _, _ = stated(Top("Model", arguments={name: ones_on_tokens}), 2, 4)
-        assert real.tolist() == [[not cell for cell in row] for row in expected]
+        assert real.tolist() == expected
+        # and where no row is all 1s, torch's reading stands
+        real, _, _ = stated(Top("Model", arguments={name: 1 - ones_on_tokens}), 2, 4)
+        assert real.tolist() == expected
+        # nor where the other reading is no padded batch (its 0s inside a row)
+        inside = np.array([[1, 1, 1, 1], [1, 0, 1, 0]])
+        real, _, _ = stated(Top("Model", arguments={name: inside}), 2, 4)
+        assert real.tolist() == (inside == 0).tolist()
 
 
 def test_real_tokens_read_off_runs_are_read_offs():

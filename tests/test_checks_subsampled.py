@@ -40,6 +40,28 @@ def test_qefficient_cohere_asr_encoder_run_without_its_frame_mask(tmp_path):
     assert hit[0]["cell"][0] == 1 and "make 6 frames of them" in hit[0]["message"], hit
 
 
+def test_sew_frame_mask_reshaped_from_samples_held_by_the_script(tmp_path):
+    """asappresearch/sew PR #2 (written blind, batch blind-dz): fairseq#3227's reshape-and-all in SEW's
+    FeatMLPWav2Vec2Model, the sample padding_mask held only by the script (the model reassigns its own to the frames):
+    260 real samples of 400 make 12 frames through the convs (10/5, 3/2, 2/2), the reshaped mask keeps 13."""
+    [hit] = check_bug(tmp_path, "sew_feat_mlp_wav2vec2_padding_mask_frame_view_all", "padded-frames-attended")
+    real = made(260, [conv1d(10, 5), conv1d(3, 2), conv1d(2, 2)])
+    assert hit["cell"] == [1, 0, real] and f"make {real} frames of them" in hit["message"], hit
+
+
+def test_lengths_floored_by_the_hop_stated_by_the_script(tmp_path):
+    """Written another way: torchaudio-style `lengths // hop` reassigned inside the model, the sample lengths stated
+    only by the script's `wav_lens`, nn.MultiheadAttention batch_first with a key_padding_mask, three rows."""
+    name = "torchaudio_style_lengths_floored_by_hop_script_lengths"
+    real = made(730, [conv1d(10, 5), conv1d(3, 2), conv1d(3, 2)])
+    status, found, report = traced(tmp_path, name, False, SUBSAMPLED)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "padded-frames-attended"]
+    assert hit["severity"] == "wrong" and hit["cell"] == [1, 0, real] and real < 730 // 20, report
+    status, found, report = traced(tmp_path, name, True, SUBSAMPLED)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
+
+
 def test_wenet_conv2d_subsampling_mask_sliced_from_the_end(tmp_path):
     """wenet#1602: 13 real frames of 20; two Conv2d(3, stride 2) make 2, the [:-2:2] slices keep all 4."""
     [hit] = check_bug(tmp_path, "wenet_conv2d_subsampling4_mask_sliced_from_end", "padded-frames-attended")

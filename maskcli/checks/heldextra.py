@@ -7,7 +7,8 @@ readout) attends over more keys than the padding mask its batch holds covers: Le
 first w (the tokens put before them or after them), the keys besides them real; padding-unused speaks only where both
 readings are seen through. Read only where the mask is a padded batch (each row one run of real tokens at one edge,
 one row whole: heldfold.padded_batch) and no cross-attention of the run has w keys (a memory's padding held beside a
-decoder's self-attention is not of its keys).
+decoder's self-attention is not of its keys), nor does another model call state the same mask as its own attention mask
+(a generate loop's decoder mask, held while it runs the encoder over frames: Whisper's, transformers PR #48028).
 """
 
 from __future__ import annotations
@@ -30,10 +31,26 @@ def beside_extra(run: Run, call, held: dict) -> list[np.ndarray]:
         return []
     real = table if held["kind"] == "keep" else ~table
     if not padded_batch(real, right_only=False) \
-            or any(other.shape[3] == table.shape[1] for other in run.cross):  # (a memory's padding, perhaps)
+            or any(other.shape[3] == table.shape[1] for other in run.cross) \
+            or _stated_by_another(run, call, real):  # (a memory's padding, perhaps; another model call's tokens')
         return []
     extra = np.ones((rows, k_len - table.shape[1]), dtype=bool)
     return [np.concatenate([extra, real], axis=1), np.concatenate([real, extra], axis=1)]
+
+
+def _stated_by_another(run: Run, call, real: np.ndarray) -> bool:
+    """Another model call of the run states this very padding as its own attention mask over its w tokens (a decoder's
+    `decoder_attention_mask`, held by a generate loop that runs the encoder first over frames of its own): the mask is
+    that call's, not this call's tokens beside a few of the model's."""
+    top = run.top(call)
+    for other in run.tops:
+        if other is top:
+            continue
+        for name in ("attention_mask", "decoder_attention_mask"):
+            given = other.arguments.get(name)
+            if isinstance(given, np.ndarray) and given.shape == real.shape and np.array_equal(given != 0, real):
+                return True
+    return False
 
 
 def seen_both_ways(picks: list, held: dict, bad: np.ndarray) -> np.ndarray:

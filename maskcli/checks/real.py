@@ -175,11 +175,22 @@ def _ones_are_tokens(given: np.ndarray, tokens) -> bool:
     """A mask of a name both conventions use (EITHER_WAY) whose 1s are the tokens, by the ids beside it: read as
     torch's (1 = padding) it calls some row all padding and not every row, while the ids hold one id at each of its 0s
     and never that id at a 1 (candle's ModernBERT `pad_mask`, 1 on the tokens of a right-padded batch)."""
+    if tokens is None and given.ndim == 2:
+        return _whole_row_of_tokens(given)
     if not isinstance(tokens, np.ndarray) or tokens.shape != given.shape or not (given == 0).any():
         return False
     whole = (given == 1).all(axis=1)
     at_zeros = np.unique(tokens[given == 0])
     return bool(whole.any() and not whole.all() and len(at_zeros) == 1 and not (tokens[given == 1] == at_zeros[0]).any())
+
+
+def _whole_row_of_tokens(given: np.ndarray) -> bool:
+    """A mask of a name both conventions use, with no ids beside it, whose 1s are the tokens by its rows alone: read as
+    torch's it calls some row all padding (an empty sequence in the batch), while read with 1 = a token every row holds
+    some and its 0s are one run at the same end of each row, some row whole (a padded batch: the Nemotron ASR encoder's
+    `padding_mask`, 1 on its frames, of transformers PR #48817)."""
+    whole, some = (given == 1).all(axis=1), (given == 1).any(axis=1)
+    return bool(given.shape[0] > 1 and whole.any() and not whole.all() and some.all() and _one_run_at_an_end(given == 0))
 
 
 EITHER_WAY = ("padding_mask", "pad_mask")  # True = padding in torch / fairseq; True = a real token in Keras / Flax

@@ -14,7 +14,9 @@ call's L keys (the layers up to there: a positional convolution or an adapter af
 a self-attention whose every query of a row sees the same keys (key padding), and the held padding is a padded batch
 (one run of real samples from the start of each row), its rows the call's or folded with other rows (fairseq's
 `bsz * num_heads`: every way round the fold is read must keep a padded frame). Stays quiet on frames hidden that the stack calls real
-(frames.py says that of an unpadded row), and where a layer's padding is not a number ("same").
+(frames.py says that of an unpadded row), and where a layer's padding is not a number ("same"). The held padding may be
+the script's top-level statement of its batch (details["held_top"]: the one its model call reads), where the model
+reassigns its own to the frames before it attends (asappresearch/sew PR #2): the exact map of S to L says whose it is.
 """
 
 from __future__ import annotations
@@ -75,7 +77,10 @@ def padded_frames_attended(run: Run) -> list:
     square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
     # (a softmax that masks nothing: the frame mask may call every frame real, wenet#1602's short row)
     for call in [*run.calls, *square]:
-        top, helds = run.top(call), call.details.get("held_padding")
+        top = run.top(call)
+        helds = [*(call.details.get("held_padding") or ()), *(call.details.get("held_top") or ())]
+        # (a script's top-level statement of its batch too, handed to the model call: the exact map of its samples to
+        # the call's frames through the model's own stack says it is this batch's)
         convs = None if top is None else top.arguments.get("convs")
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
         if not convs or not helds or call.stored is None or q_len != k_len or cross(call):
