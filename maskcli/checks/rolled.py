@@ -183,8 +183,9 @@ def overrun(call, top, own: np.ndarray, real: np.ndarray, size: int, sliding: bo
     b = int(np.argmax(need > k_len))
     q = own[asking[b]]
     where = f"layer {index}" if index is not None else call.where
-    said = next(name for name in ("cache_position", "input_pos", "position_ids", "queries")
-                if name == "queries" or isinstance(top.arguments.get(name), np.ndarray))
+    arguments = {} if top is None else top.arguments
+    said = next((name for name in ("cache_position", "input_pos", "position_ids")
+                 if isinstance(arguments.get(name), np.ndarray)), "placed by maskcli model")
     return Finding("window-miscounted", (
         f"{where}: the {int(asking[b].sum())} real queries of batch row {b} (positions {int(q.min())} .. {int(q.max())}, "
         f"{said}) need {int(need[b])} keys between them, each at least its own, but the cache holds {k_len}: a pass "
