@@ -4,6 +4,9 @@ a bidirectional eager encoder), and quiet where the mask keeps to the ids' paddi
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn as nn
 
@@ -12,10 +15,30 @@ from checkbugs import check_bug, first
 from maskcli.checks.padids import id_padding
 from maskcli.checks.registry import severity
 
+PADIDS = Path(__file__).parent / "data" / "padids"
+
 
 def test_xtuner_preference_collate_fn_mask_rows_is_flagged_and_its_fix_is_not(tmp_path):
     # InternLM/xtuner#859: `attention_mask[:i] = True` sets whole batch rows: every row all ones, the padding attended
     check_bug(tmp_path, "xtuner_preference_collate_fn_mask_rows", "pad-ids-unmasked")
+
+
+def test_xtuner_default_collate_fn_mask_rows_by_length_is_flagged_and_its_fix_is_not(tmp_path):
+    # InternLM/xtuner#829 (commit 16e2f8f1a): the same line in default_collate_fn, its batch handed to transformers'
+    # LlamaForCausalLM (pad_token_id 0): the model call's own input_ids and attention_mask, no frame of the program's
+    pytest.importorskip("transformers")
+    check_bug(tmp_path, "xtuner_default_collate_fn_attention_mask_rows_by_length", "pad-ids-unmasked")
+
+
+def test_a_numpy_collator_that_fills_the_mask_by_columns_is_flagged_at_a_padded_cell(tmp_path):
+    """Written otherwise: a numpy collator (`mask[:, :len(sample)] = 1`), four rows right-padded with id 0, GPT-2
+    (no pad id stated) handed the batch as a dict. Against a double loop: the cell named is one a causal mask lets a
+    query see, whose key is a pad of its row (past its sample's length), and the count is every such cell."""
+    pytest.importorskip("transformers")
+    hit = check_bug(tmp_path, "gpt2_numpy_collate_mask_by_columns", "pad-ids-unmasked", PADIDS)[0]
+    lengths = (6, 3, 9, 4)
+    cells = [(b, q, k) for b, n in enumerate(lengths) for q in range(9) for k in range(q + 1) if k >= n]
+    assert tuple(hit["cell"]) in cells and f"({len(cells)} such cells, padded queries only)" in hit["message"]
 
 
 class Encoder(nn.Module):

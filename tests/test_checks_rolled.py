@@ -25,6 +25,9 @@ WINDOWS = Path(__file__).parent / "data" / "windows"
     ("mlx_llama4_chunked_kv_cache_trims_buffer_not_tokens", "chunks-miscounted", None),
     # written otherwise: a window in a dict config, two rows with an attention_mask, an eager softmax
     ("window_cache_trimmed_on_buffer_slots", "window-miscounted", WINDOWS),
+    # Lightning-AI/litgpt#2182 (PR #2215): a prefill longer than the ring-buffer KVCache, the global tril truncated to
+    # its 6 slots: 14 queries at input_pos 0 .. 13 over 6 keys (its fix prefills token by token: quiet)
+    ("litgpt_kvcache_sliding_window_prefill_longer_than_window", "window-miscounted", None),
 ])
 def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code, folder):
     if folder is None:
@@ -67,3 +70,16 @@ def test_a_first_pass_over_a_cache_trimmed_to_the_window(tmp_path):
             seen[b, q] = sum(1 for k in range(4, 7) if k <= q and q - k < 3 and real[b, k])
     b, q = (int(x) for x in np.argwhere((seen < want) & real)[0])
     assert f"position {q} of batch row {b}" in hit["message"] and hit["expected"] == f"{want[b, q]} keys"
+
+
+def test_a_prefill_chunk_longer_than_a_ring_cache_needs_more_keys_than_it_holds(tmp_path):
+    """Written otherwise: a dict config (sliding_window 4), two rows, the second left-padded by two, `cache_position`
+    handed to the model call, a second prefill chunk (positions 3 .. 8) written into the 4 slots of a ring before it
+    attends over them, the mask placed on the slots' positions. The keys the chunk's real queries need between them,
+    by a loop over absolute positions (a set of each window's real tokens), against the 4 the cache holds."""
+    hit = check_bug(tmp_path, "ring_cache_chunk_longer_than_window_left_padded", "window-miscounted", WINDOWS)[0]
+    real = [[True] * 9, [False] * 2 + [True] * 7]
+    need = [len({k for q in range(3, 9) if real[b][q] for k in range(q - 3, q + 1) if k >= 0 and real[b][k]})
+            for b in range(2)]
+    b = next(b for b in range(2) if need[b] > 4)
+    assert f"batch row {b}" in hit["message"] and hit["expected"] == f"{need[b]} keys"

@@ -39,12 +39,28 @@ def id_padding(tokens: np.ndarray) -> tuple[np.ndarray, int] | None:
     return None
 
 
+def _handed(top) -> list:
+    """The model call's own `input_ids` and 0/1 `attention_mask` as held.py would hold them (a library model's forward,
+    transformers', holds them in frames held.py does not read: xtuner#829 handed its collated batch to LlamaForCausalLM)."""
+    arguments = {} if top is None else top.arguments
+    ids, given = arguments.get("input_ids"), arguments.get("attention_mask")
+    if not (isinstance(ids, np.ndarray) and isinstance(given, np.ndarray) and ids.ndim == 2 and given.shape == ids.shape
+            and np.isin(given, (0, 1)).all()):
+        return []
+    where = f"the model call {top.where}"
+    return [{"kind": "ids", "rows": ids, "name": "input_ids", "where": where},
+            {"kind": "keep", "rows": given != 0, "name": "attention_mask", "where": where}]
+
+
 def pad_ids_unmasked(run: Run) -> list:
     """Calls whose queries see keys the batch's own pad ids pad, while a padding mask held beside calls them real."""
-    found, done = [], {}
+    found, done, handed = [], {}, {}
     square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
     for call in [*run.calls, *square]:  # (a softmax that masks nothing: an all-ones mask filled is one, as held.py reads)
-        helds = call.details.get("held_padding")
+        top = run.top(call)
+        if id(top) not in handed:  # (once per model call: the key below holds its arrays by id)
+            handed[id(top)] = _handed(top)
+        helds = [*(call.details.get("held_padding") or ()), *handed[id(top)]]
         if not helds or call.stored is None or cross(call):
             continue
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]

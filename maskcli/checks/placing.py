@@ -23,6 +23,14 @@ def real_queries(real: np.ndarray, own: np.ndarray) -> np.ndarray:
     return found
 
 
+def positions_said(call, top, names=("cache_position", "input_pos")) -> bool:
+    """`model` placed the call's queries, or the model call states their positions by one of `names` (as many as the
+    call's queries)."""
+    arguments = {} if top is None else top.arguments
+    return call.details.get("queries") is not None or any(
+        isinstance(arguments.get(name), np.ndarray) and arguments[name].shape[-1] == call.shape[2] for name in names)
+
+
 def queries(call, top) -> np.ndarray:
     """The absolute position of each query row: `model`'s placing, the model call's cache_position or input_pos, the
     int its own cache is written at (start_pos, cache_update_index), the last tokens a static cache holds (its slots

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskcli.checks.context import keep, queries, real_queries, runs
+from maskcli.checks.placing import positions_said
 from maskcli.checks.plainpad import ids_padding
 
 PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
@@ -353,7 +354,7 @@ def trimmed(run, call) -> np.ndarray | None:
     (a speculative step's keys cropped back) ends the count: its positions are not known from the lengths alone."""
     q_len, k_len = call.shape[2:]
     own = queries(call, run.top(call))
-    if own.size == 0 or int(own[-1]) != k_len - 1:
+    if own.size == 0 or int(own[-1]) != k_len - 1 or positions_said(call, run.top(call)):
         return None  # (positions stated, or not the end of the keys: queries() placed them)
     held = run.__dict__.setdefault("_trimmed", {})
     if call.where not in held:  # each site's counted starts, made once per run

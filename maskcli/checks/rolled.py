@@ -25,6 +25,7 @@ from maskcli.checks.context import Run, columns_are_positions, crossing, keep
 from maskcli.checks.context import queries as placing
 from maskcli.checks.evicted import _named_self
 from maskcli.checks.intent import intent
+from maskcli.checks.placing import positions_said
 from maskcli.checks.real import PADDING_TRUE, stated, trimmed
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -36,21 +37,18 @@ def _positions(call, top, run: Run | None = None) -> np.ndarray | None:
     """The queries' positions where the model call (or `model`) states them, or where the call is its site's first
     and its queries are the model call's token ids (a first pass from an empty cache: positions 0 .. Lq - 1); None
     where they would be guessed."""
-    q_len = call.shape[2]
-    arguments = {} if top is None else top.arguments
-    said = call.details.get("queries") is not None or any(
-        isinstance(arguments.get(name), np.ndarray) and arguments[name].shape[-1] == q_len for name in POSITIONS)
-    if said:
+    if positions_said(call, top, POSITIONS):
         return placing(call, top)
-    return np.arange(q_len) if run is not None and _first_pass(run, call, top) else None
+    return np.arange(call.shape[2]) if run is not None and _first_pass(run, call, top) else None
 
 
 def _self_by_name(call) -> bool:
     """A call set apart as a cross-attention by its lengths alone (more queries than keys) under a module path named a
-    self-attention (checks/evicted.py's reading): a first pass over a cache that kept fewer keys than it was handed."""
+    self-attention (checks/evicted.py's reading) or by a module whose class is named one (LitGPT's
+    `CausalSelfAttention`): a pass over a cache that kept fewer keys than it was handed."""
     reading = crossing(call)
-    return reading.by in ("shape", "none") and call.details.get("kv_source") != "other" and \
-        _named_self(call.where) is not None
+    named = _named_self(call.where) is not None or "selfattention" in call.details.get("class_causal", "").lower()
+    return reading.by in ("shape", "none") and call.details.get("kv_source") != "other" and named
 
 
 def _first_pass(run: Run, call, top) -> bool:
@@ -119,10 +117,18 @@ def miscounted(run: Run) -> list:
         if counted is None and columns_are_positions(call, top):
             continue  # (config.py places the window on them)
         own = _positions(call, top, run) if counted is None else counted
-        if own is None or own.min() < 0 or (call.shape[2] > call.shape[3] and not _first_pass(run, call, top)):
-            continue  # (more queries than keys: read only where no earlier call can have filled the cache)
+        if own is None or own.min() < 0:
+            continue
         rows = call.shape[0]
         real = _real(top, rows, int(own.max()) + 1)
+        if call.shape[2] > call.shape[3] and not _first_pass(run, call, top):
+            # (more queries than keys after earlier calls: which slots hold what is unknown, but not how many keys
+            # the windows of queries at stated positions need between them)
+            over = None if counted is not None or real is None else overrun(
+                call, top, own, real, size - (name == "sliding_window_size" and size > 1), sliding, index)
+            found += [(call, over)] if over is not None and over.message not in done else []
+            done.add(None if over is None else over.message)
+            continue
         key = (call.mask, call.shape, tuple(own), None if real is None else real.tobytes())  # (one mask, other places)
         if real is None or key in done:
             continue
@@ -157,6 +163,34 @@ def miscounted(run: Run) -> list:
             f"{span} holds {want} real token{'s' * (want != 1)} ({source}; {_queries(bad)}): {why}"),
             expected=f"{want} keys", source=source)))
     return found
+
+
+def overrun(call, top, own: np.ndarray, real: np.ndarray, size: int, sliding: bool, index) -> Finding | None:
+    """A pass whose real queries, at positions the model call states, need more keys between them than the call
+    holds: each sees at least its own key (a window of the smallest reading, SGLang's sliding_window_size counting the
+    query or not; a chunk's own key alone), so a cache that holds fewer overwrote or dropped keys of this very pass
+    (litgpt#2182: a prefill longer than the ring buffer)."""
+    asking = real[:, own]  # (rows, Lq)
+    low = np.maximum(own - size + 1, 0) if sliding else own
+    covered = np.zeros((real.shape[0], real.shape[1] + 1), np.int64)
+    for b in range(real.shape[0]):  # a window's span starts at low, ends past its query: count the real ones covered
+        np.add.at(covered[b], low[asking[b]], 1)
+        np.add.at(covered[b], own[asking[b]] + 1, -1)
+    need = ((np.cumsum(covered, axis=1)[:, :-1] > 0) & real).sum(axis=1)
+    k_len = call.shape[3]
+    if not (need > k_len).any():
+        return None
+    b = int(np.argmax(need > k_len))
+    q = own[asking[b]]
+    where = f"layer {index}" if index is not None else call.where
+    arguments = {} if top is None else top.arguments
+    said = next((name for name in ("cache_position", "input_pos", "position_ids")
+                 if isinstance(arguments.get(name), np.ndarray)), "placed by maskcli model")
+    return Finding("window-miscounted", (
+        f"{where}: the {int(asking[b].sum())} real queries of batch row {b} (positions {int(q.min())} .. {int(q.max())}, "
+        f"{said}) need {int(need[b])} keys between them, each at least its own, but the cache holds {k_len}: a pass "
+        f"longer than the cache's buffer overwrote (or dropped) keys its own earlier queries still see (prefill in "
+        f"chunks no longer than the buffer?)"), expected=f"{int(need[b])} keys", source=said)
 
 
 def _queries(bad: np.ndarray) -> str:
