@@ -39,6 +39,7 @@ class Top:
     convs: tuple = ()  # what the call's time-mixing convolutions read of its padded frames (trace/convpad.py)
     rows: tuple = ()  # (name, one hash per row of its first axis) of each small tensor argument (trace/samplerows.py)
     state_writes: int | None = None  # module state assigned before the call began (trace/assigned.py: continued.py)
+    pooled: list = field(default_factory=list)  # rows and positions its output was read at (trace/poolrows.py: poolpad.py)
 
 
 @dataclass

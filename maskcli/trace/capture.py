@@ -83,6 +83,7 @@ class Trace(Outer, Follow):
                 self.readers[entry.canonical(func)] = readers.softmax  # (the functions themselves, in a trace in a trace)
             self.scores = Scores()
         from maskcli.trace.after import After
+        from maskcli.trace.poolrows import PoolRows
         from maskcli.trace.weights import Weights
 
         self.weights = Weights()  # (a softmax's weights and what is computed of them alone: weights.py)
@@ -99,8 +100,9 @@ class Trace(Outer, Follow):
         self.overflows, self.discarded = Overflows(), Discarded()  # (fills whose result was thrown away: discarded.py)
         # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
         self.watched = frozenset({*self.readers, *WATCHED, *((*MATMULS, *DISCARDED) if self.scores is not None else ())})
+        self.poolrows = PoolRows()  # (a model output read at one position per row: poolrows.py)
         self._followed = (self.overflows._found, self.scores._found if self.scores is not None else {}, self.after._found,
-                          self.weights._found)
+                          self.weights._found, self.poolrows._found)
         self.sites = Sites()
         self._tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._pending: list = []  # (Top, module): tops whose configs are read once the run is over (settle())

@@ -244,6 +244,8 @@ class Follow:
                 self.after.after(self, func, args, out)
             if followed[3] and not self.busy:  # (what is computed of a softmax's weights: weights.py)
                 self.weights.after(func, args, kwargs, out, self.scores)
+            if followed[4] and not self.busy:  # (a model output read at one position per row: poolrows.py)
+                self.poolrows.after(func, args, kwargs)
         if (func in WATCHED or followed[0] or followed[1] and func in IN_PLACE) and isinstance(out, torch.Tensor) \
                 and out.dim() >= 2 and out.is_floating_point() and not self.busy and has_values(out):
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
