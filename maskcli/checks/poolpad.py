@@ -14,15 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskcli.checks.absentinput import _spans
 from maskcli.checks.context import Run
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
-
-
-def _spans(keys: np.ndarray) -> str:
-    breaks = np.flatnonzero(np.diff(keys) != 1)
-    starts, ends = keys[np.r_[0, breaks + 1]], keys[np.r_[breaks, keys.size - 1]]
-    return ", ".join(f"{s}-{e}" if e > s else f"{s}" for s, e in zip(starts.tolist(), ends.tolist()))
 
 
 def padding_pooled(run: Run) -> list:

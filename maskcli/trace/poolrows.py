@@ -20,6 +20,8 @@ import weakref
 import numpy as np
 import torch
 
+from maskcli.trace.unseen import unseen
+
 MOST = 4096  # rows x positions of the mask kept at most
 
 
@@ -35,10 +37,11 @@ class PoolRows:
             hidden = _hidden(output)
             if hidden is None:
                 return False
-            mask = _mask(module, args, kwargs)
-            if not _padded(mask) or tuple(mask.shape) != tuple(hidden.shape[:2]):
-                return False
-            mask = mask.detach().cpu().numpy() != 0
+            with unseen():  # (maskcli's own reads: no mode, no subclass of the program's sees them)
+                mask = _mask(module, args, kwargs)
+                if not _padded(mask) or tuple(mask.shape) != tuple(hidden.shape[:2]):
+                    return False
+                mask = mask.detach().cpu().numpy() != 0
             record = self.records[(first, end)] = {"mask": mask, "reads": []}
             key = id(hidden)
             self._found[key] = (weakref.ref(hidden, lambda _, key=key, found=self._found: found.pop(key, None)), record)
@@ -50,14 +53,21 @@ class PoolRows:
         """A module's first outermost call, hooked as it runs (its forward hook does not run for it): where it was handed
         padding, its frame's return is watched (a profile function on this thread, until that frame returns: once a
         model) and its output noted as the hook would."""
-        if sys.getprofile() is not None or not _padded(_mask(module, args, kwargs)):
+        try:
+            with unseen():  # (maskcli's own reads: no mode, no subclass of the program's sees them)
+                if sys.getprofile() is not None or not _padded(_mask(module, args, kwargs)):
+                    return
+        except (Exception, SystemExit):  # noqa: BLE001 - the program's arguments stay its own
             return
 
         def profile(called, event: str, arg) -> None:
             if event == "return" and called is frame:
                 sys.setprofile(None)
-                if self.note(arg, module, args, kwargs, held[4], held[5]):
-                    follow()
+                try:
+                    if self.note(arg, module, args, kwargs, held[4], held[5]):
+                        follow()
+                except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program
+                    pass
 
         sys.setprofile(profile)
 
