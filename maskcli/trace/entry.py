@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import maskcli.trace.assigned as assigned
 from maskcli.trace.discarded import FILLS, wanted as _fill
 from maskcli.trace.maskfacts import attention_bias
+from maskcli.trace.maskmean import REDUCES, reduced
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
 from maskcli.trace.scores import MATMULS, per_graph
@@ -36,8 +37,8 @@ compiling = torch.compiler.is_dynamo_compiling
 TENSOR = {"softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
           "to": "to", "half": "half", "bfloat16": "bfloat16", "type": "type", "type_as": "type_as",
           "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "__rsub__": "__rsub__",
-          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm", "masked_fill": "masked_fill"}
-TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul", "mm", "masked_fill")
+          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm", "masked_fill": "masked_fill", "sum": "sum"}
+TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul", "mm", "masked_fill", "sum")
 CANONICAL: dict = {}  # a wrapper -> the function it stands for (what the mode is handed, while it is on, for a method)
 
 
@@ -60,7 +61,7 @@ def sdpa():
     return _originals()[("F", "scaled_dot_product_attention")]
 
 
-ATTENTION, PRODUCT, CAST, SUM, FILL = "attention", "product", "cast", "sum", "fill"
+ATTENTION, PRODUCT, CAST, SUM, FILL, REDUCE = "attention", "product", "cast", "sum", "fill", "reduce"
 
 
 def _wrapper(trace, original, stands_for, kind: str):
@@ -122,7 +123,7 @@ def _sum(args: tuple, kwargs: dict, out) -> bool:
 _FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
 
 
-_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: _fill}
+_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: _fill, REDUCE: reduced}
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,7 +148,7 @@ def patch(trace) -> list:
             continue
         held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
         kind = ATTENTION if stands_for in readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
-            else FILL if stands_for in FILLS else SUM
+            else FILL if stands_for in FILLS else REDUCE if stands_for in REDUCES else SUM
         wrapper = _wrapper(trace, original, stands_for, kind)
         setattr(owner, name, wrapper)
         done.append((owner, name, held, wrapper))
