@@ -1,10 +1,10 @@
 """A mean over a batch's positions whose sum counts positions its divisor, a mask's sum, does not.
 
 `x.sum(dim) / mask.sum(-1)` is a masked mean: the divisor counts each row's real positions (the 0/1 mask the program
-holds), so the sum must run over those alone (`(x * mask).sum(dim)`, or x already 0 where the mask is). Every `sum`
-over one axis is looked at as it runs (entry.py's REDUCE wrapper): a 2-D 0/1 tensor with a 0 in it summed over its
-last axis is followed (weakly) as a count of positions, through the calls that keep its elements (an unsqueeze, a
-clamp, a cast, `+ eps`); a float tensor of 2 dims or more summed over one axis other than its first, its dims not
+holds), so the sum must run over those alone (`(x * mask).sum(dim)`, or x already 0 where the mask is). Every
+`sum` over one axis is looked at as it runs (entry.py's REDUCE wrapper): a 2-D 0/1 integer or bool tensor with a 0
+in it summed over its last axis is followed (weakly) as a count of positions, through the calls that keep its
+elements (an unsqueeze, a clamp, a cast, `+ eps`); a float tensor of 2 dims or more summed over one axis other than its first, its dims not
 kept, is remembered (the last few, weakly, with what it summed). A division of such a sum by such a count, the sum's
 first axis the mask's rows and its summed axis as long as the mask's positions, where the summed tensor is not 0 at
 some position the mask leaves out of its row's count, is recorded on the last attention call made
@@ -45,13 +45,22 @@ class MaskMean:
 
     def after(self, func, args: tuple, kwargs: dict, out, calls: list) -> None:
         """A sum remembered, a count followed through a call keeping its elements, a division looked at."""
-        if func in REDUCES:
-            with unseen():
-                self._summed(args, kwargs, out)
-        elif len(args) > 1 and getattr(func, "__name__", "") in DIVISIONS:
-            with unseen():
-                self._divided(args[0], args[1], calls)
-        elif args and id(args[0]) in self._found and type(out) is torch.Tensor and len(args) + len(kwargs) <= 3 \
+        try:
+            if func in REDUCES:
+                if reduced(args, kwargs, out):
+                    with unseen():
+                        self._summed(args, kwargs, out)
+            elif len(args) > 1 and getattr(func, "__name__", "") in DIVISIONS:
+                with unseen():
+                    self._divided(args[0], args[1], calls)
+            else:
+                self._kept(args, kwargs, out)
+        except (Exception, SystemExit):  # noqa: BLE001 - what the other followers read of this call is read still
+            pass
+
+    def _kept(self, args: tuple, kwargs: dict, out) -> None:
+        """A count followed on through a call that keeps its elements (no other tensor in it)."""
+        if args and id(args[0]) in self._found and type(out) is torch.Tensor and len(args) + len(kwargs) <= 3 \
                 and not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
             held = self._found[id(args[0])]
             if held[0]() is args[0] and out.numel() == args[0].numel():
@@ -66,7 +75,7 @@ class MaskMean:
         if not -x.dim() <= dim < x.dim() or x.device.type == "meta":
             return
         dim %= x.dim()
-        if x.dim() == 2 and dim == 1 and x.numel() <= MOST and (x.dtype == torch.bool or not x.is_complex()):
+        if x.dim() == 2 and dim == 1 and x.numel() <= MOST and not x.is_floating_point() and not x.is_complex():
             values = x.detach().cpu().numpy()
             if ((values == 0) | (values == 1)).all() and (values == 0).any() and (values == 1).any():
                 self._follow(out, values != 0)

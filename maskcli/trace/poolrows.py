@@ -7,9 +7,9 @@ So each outermost call whose output states a `last_hidden_state` (a transformers
 one) of (B, L, D), handed a (B, L) `attention_mask` with padding in it, has that tensor followed (weakly: nothing
 kept alive, and the mode is on only while it lives) until it is indexed with one position per row: an int or a
 slice-free index on the positions (`[:, -1]`), a pair of index tensors (the rows, the positions), or
-`gather(1, ...)` with one position per row. The rows and positions read, with that mask, are kept on the call's Top
-(`pooled`: attached as the tops are read), which checks/poolpad.py holds against the mask. Logits are not followed (a generate loop reads `[:, -1]` of its
-left-padded batch rightly, and would keep the mode on throughout).
+`gather(1, ...)` with one position per row. The rows and positions read, with that mask, are kept on the call's
+Top (`pooled`: attached as the tops are read), which checks/poolpad.py holds against the mask. Logits are not
+followed (a generate loop reads `[:, -1]` of its left-padded batch rightly, and would keep the mode on throughout).
 """
 
 from __future__ import annotations
@@ -86,6 +86,12 @@ class PoolRows:
         held = self._found.get(id(given))
         if held is None or held[0]() is not given:
             return
+        try:
+            self._read(func, args, kwargs, given, held[1])
+        except (Exception, SystemExit):  # noqa: BLE001 - what the other followers read of this call is read still
+            pass
+
+    def _read(self, func, args: tuple, kwargs: dict, given: torch.Tensor, record: dict) -> None:
         name = getattr(func, "__name__", "")
         rows, length = given.shape[0], given.shape[1]
         if name == "__getitem__" and len(args) > 1:
@@ -97,7 +103,7 @@ class PoolRows:
         else:
             return
         if read is not None:
-            held[1]["reads"].append({"rows": read[0], "positions": read[1], "how": read[2]})
+            record["reads"].append({"rows": read[0], "positions": read[1], "how": read[2]})
 
 
 def _mask(module, args: tuple, kwargs: dict):
