@@ -152,8 +152,11 @@ def patch(trace) -> list:
         wrapper = _wrapper(trace, original, stands_for, kind)
         setattr(owner, name, wrapper)
         done.append((owner, name, held, wrapper))
+    builtins = _jit_builtins(done)
 
     def put_back() -> None:  # (one callable for them all: a trace is entered once per generate, as often as it records)
+        for key in builtins:
+            _builtin_table().pop(key, None)
         for owner, name, held, wrapper in reversed(done):
             CANONICAL.pop(wrapper, None)
             if held is _MISSING:
@@ -169,6 +172,29 @@ def patch(trace) -> list:
         if put_back_code is not None:
             undo.append(put_back_code)
     return undo[::-1]
+
+
+def _builtin_table() -> dict:
+    from torch.jit._builtins import _get_builtin_table
+
+    return _get_builtin_table()
+
+
+def _jit_builtins(done: list) -> list:
+    """TorchScript's operator for each wrapper put on `torch` in place of one of its builtins (`torch.sum` in a
+    `@torch.jit.script` function the program defines while traced: scripted, it must name aten::sum, not the wrapper,
+    whose `*args` TorchScript cannot compile); the keys added, taken out again as the functions are put back."""
+    try:
+        table = _builtin_table()
+    except (Exception, SystemExit):  # noqa: BLE001 - a torch without TorchScript: nothing to name
+        return []
+    added = []
+    for owner, name, held, wrapper in done:
+        op = table.get(id(held)) if owner is torch else None
+        if op is not None and id(wrapper) not in table:
+            table[id(wrapper)] = op
+            added.append(id(wrapper))
+    return added
 
 
 @functools.cache
