@@ -47,3 +47,28 @@ def test_found_in_matches_a_loop_over_rows_and_positions():
         if rng.random() < 0.5:
             values = values * mask[..., None]  # the fix: 0 wherever the mask leaves a position out
         assert found_in(values, mask) == _reference(values, mask)
+
+
+def test_a_scripted_function_calling_torch_sum_compiles_and_runs_while_sums_are_watched(tmp_path):
+    # `sum` is watched for masked means: torch.sum is then a wrapper, which TorchScript must still read as aten::sum
+    # (axolotl's @torch.jit.script get_max_seqlen_in_batch); the scripted result checked against torch's own
+    import json
+
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    program = tmp_path / "scripted_sum.py"
+    program.write_text(
+        "import torch\n"
+        "import torch.nn.functional as F\n\n"
+        "@torch.jit.script\n"
+        "def lengths(mask: torch.Tensor) -> torch.Tensor:\n"
+        "    return torch.sum(mask, dim=-1)\n\n"
+        "mask = torch.tensor([[1, 1, 0], [1, 1, 1]])\n"
+        "assert lengths(mask).tolist() == [2, 3]\n"
+        "q = torch.randn(2, 1, 3, 4)\n"
+        "F.scaled_dot_product_attention(q, q, q, attn_mask=mask.bool()[:, None, None, :])\n")
+    out = tmp_path / "scripted_sum.json"
+    result = CliRunner().invoke(app, ["trace", "--json", str(out), str(program)])
+    assert json.loads(out.read_text())["exit_status"] == 0, result.output
