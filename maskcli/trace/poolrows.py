@@ -53,9 +53,11 @@ class PoolRows:
         """A module's first outermost call, hooked as it runs (its forward hook does not run for it): where it was handed
         padding, its frame's return is watched (a profile function on this thread, until that frame returns: once a
         model) and its output noted as the hook would."""
+        if getattr(module, "lm_head", None) is not None or sys.getprofile() is not None:
+            return  # (a language model's head makes logits: its output states no last_hidden_state to follow)
         try:
             with unseen():  # (maskcli's own reads: no mode, no subclass of the program's sees them)
-                if sys.getprofile() is not None or not _padded(_mask(module, args, kwargs)):
+                if not _padded(_mask(module, args, kwargs)):
                     return
         except (Exception, SystemExit):  # noqa: BLE001 - the program's arguments stay its own
             return
