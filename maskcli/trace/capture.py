@@ -84,6 +84,8 @@ class Trace(Outer, Follow):
                 self.readers[entry.canonical(func)] = readers.softmax  # (the functions themselves, in a trace in a trace)
             self.scores = Scores()
         from maskcli.trace.after import After
+        from maskcli.trace.maskmean import REDUCES, MaskMean
+        from maskcli.trace.poolrows import PoolRows
         from maskcli.trace.weights import Weights
 
         self.weights = Weights()  # (a softmax's weights and what is computed of them alone: weights.py)
@@ -99,9 +101,11 @@ class Trace(Outer, Follow):
         self.singles = Singles()  # (the lines that softmax one element, and whether over more too: singleton.py)
         self.overflows, self.discarded = Overflows(), Discarded()  # (fills whose result was thrown away: discarded.py)
         # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
-        self.watched = frozenset({*self.readers, *WATCHED, *((*MATMULS, *DISCARDED) if self.scores is not None else ())})
+        self.watched = frozenset({*self.readers, *WATCHED, *REDUCES,
+                                  *((*MATMULS, *DISCARDED) if self.scores is not None else ())})
+        self.poolrows, self.maskmean = PoolRows(), MaskMean()  # (an output read per row: poolrows.py; a mean: maskmean.py)
         self._followed = (self.overflows._found, self.scores._found if self.scores is not None else {}, self.after._found,
-                          self.weights._found)
+                          self.weights._found, self.poolrows._found, self.maskmean._found)
         self.sites = Sites()
         self._tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._pending: list = []  # (Top, module): tops whose configs are read once the run is over (settle())

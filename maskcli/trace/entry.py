@@ -26,6 +26,7 @@ import maskcli.trace.assigned as assigned
 from maskcli.trace.after import MULS
 from maskcli.trace.discarded import FILLS, wanted as _fill
 from maskcli.trace.maskfacts import attention_bias
+from maskcli.trace.maskmean import REDUCES, reduced
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
 from maskcli.trace.poolweights import weighs_or
@@ -38,8 +39,8 @@ compiling = torch.compiler.is_dynamo_compiling
 TENSOR = {"softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
           "to": "to", "half": "half", "bfloat16": "bfloat16", "type": "type", "type_as": "type_as",
           "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "__rsub__": "__rsub__",
-          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm", "masked_fill": "masked_fill"}
-TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul", "mm", "masked_fill")
+          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm", "masked_fill": "masked_fill", "sum": "sum"}
+TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul", "mm", "masked_fill", "sum")
 CANONICAL: dict = {}  # a wrapper -> the function it stands for (what the mode is handed, while it is on, for a method)
 
 
@@ -62,7 +63,7 @@ def sdpa():
     return _originals()[("F", "scaled_dot_product_attention")]
 
 
-ATTENTION, PRODUCT, CAST, SUM, FILL = "attention", "product", "cast", "sum", "fill"
+ATTENTION, PRODUCT, CAST, SUM, FILL, REDUCE = "attention", "product", "cast", "sum", "fill", "reduce"
 
 
 def _wrapper(trace, original, stands_for, kind: str):
@@ -126,7 +127,7 @@ def _sum(args: tuple, kwargs: dict, out) -> bool:
 _FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
 
 
-_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: _fill}
+_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: _fill, REDUCE: reduced}
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,12 +152,15 @@ def patch(trace) -> list:
             continue
         held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
         kind = ATTENTION if stands_for in readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
-            else FILL if stands_for in FILLS else SUM
+            else FILL if stands_for in FILLS else REDUCE if stands_for in REDUCES else SUM
         wrapper = _wrapper(trace, original, stands_for, kind)
         setattr(owner, name, wrapper)
         done.append((owner, name, held, wrapper))
+    builtins = _jit_builtins(done)
 
     def put_back() -> None:  # (one callable for them all: a trace is entered once per generate, as often as it records)
+        for key in builtins:
+            _builtin_table().pop(key, None)
         for owner, name, held, wrapper in reversed(done):
             CANONICAL.pop(wrapper, None)
             if held is _MISSING:
@@ -172,6 +176,29 @@ def patch(trace) -> list:
         if put_back_code is not None:
             undo.append(put_back_code)
     return undo[::-1]
+
+
+def _builtin_table() -> dict:
+    from torch.jit._builtins import _get_builtin_table
+
+    return _get_builtin_table()
+
+
+def _jit_builtins(done: list) -> list:
+    """TorchScript's operator for each wrapper put on `torch` in place of one of its builtins (`torch.sum` in a
+    `@torch.jit.script` function the program defines while traced: scripted, it must name aten::sum, not the wrapper,
+    whose `*args` TorchScript cannot compile); the keys added, taken out again as the functions are put back."""
+    try:
+        table = _builtin_table()
+    except (Exception, SystemExit):  # noqa: BLE001 - a torch without TorchScript: nothing to name
+        return []
+    added = []
+    for owner, name, held, wrapper in done:
+        op = table.get(id(held)) if owner is torch else None
+        if op is not None and id(wrapper) not in table:
+            table[id(wrapper)] = op
+            added.append(id(wrapper))
+    return added
 
 
 @functools.cache

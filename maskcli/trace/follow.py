@@ -12,6 +12,7 @@ import torch
 import maskcli.trace.masks as readers
 from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.layouts import heads_first, reader as laid
+from maskcli.trace.maskmean import REDUCES
 from maskcli.trace.mode import Mode, building, has_values
 from maskcli.trace.after import MULS
 from maskcli.trace.pooled import Pooled
@@ -246,6 +247,10 @@ class Follow:
                 self.after.after(self, func, args, out)
             if followed[3] and not self.busy:  # (what is computed of a softmax's weights: weights.py)
                 self.weights.after(func, args, kwargs, out, self.scores)
+            if followed[4] and not self.busy:  # (a model output read at one position per row: poolrows.py)
+                self.poolrows.after(func, args, kwargs)
+        if (followed[5] or func in REDUCES) and not self.busy:  # (a mean whose sum counts what its divisor does not:
+            self.maskmean.after(func, args, kwargs, out, self._calls)  # maskmean.py)
         if (func in WATCHED or followed[0] or followed[1] and func in IN_PLACE) and isinstance(out, torch.Tensor) \
                 and out.dim() >= 2 and out.is_floating_point() and not self.busy and has_values(out):
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)

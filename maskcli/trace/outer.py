@@ -71,6 +71,7 @@ class Outer:
         local.outer = held = [frame, module, args, kwargs, first, len(self._calls), kept]
         self._outers[threading.get_ident()] = held
         if id(module) not in self._handles:
+            self.poolrows.first_call(frame, module, args, kwargs, held, self._follow)  # (its post hook is not run now)
             self._handles[id(module)] = (module.register_forward_pre_hook(self._outer_pre),
                                          module.register_forward_hook(self._outer_post, always_call=True, with_kwargs=True))
 
@@ -110,6 +111,8 @@ class Outer:
         if held is not None and held[1] is module:
             with self._lock:
                 self._finish(held)
+            if output is not None and self.poolrows.note(output, module, args, kwargs, held[4], held[5]):
+                self._follow()  # (its output read at one position per row: trace/poolrows.py)
 
     def _finish(self, held: list) -> None:
         """The Top of an outermost module call that made attention calls (what the checks read of it)."""
@@ -164,6 +167,7 @@ class Outer:
         self.made()
         if self._pending:
             self.settle()
+        self.poolrows.attach(self._tops)
         return self._tops
 
     def settle(self) -> None:

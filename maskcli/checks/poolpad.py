@@ -1,0 +1,56 @@
+"""A batch row pooled at a position its own attention_mask calls padding.
+
+An embedder pools one position of each row of its model's output: a decoder's last token, an encoder's first. The
+program states which positions are each row's tokens, the `attention_mask` it handed the model call; the position it
+reads (trace/poolrows.py: `last_hidden_state[arange(B), index]`, `[:, -1]`, `gather(1, ...)`) is one of them or
+the row's embedding is a pad token's, which the row's tokens never reached as they would run alone. Wrong there: the
+index counts the other padding side (fastembed#680, Echo#24: `attention_mask.sum(1) - 1`, a right-padding length,
+taken as the last position of a left-padded batch; the reverse, `[:, -1]` of a right-padded batch; `[:, 0]` of a
+left-padded one). Quiet where every pooled position is a real token of its row (either fix), on rows with no real
+token, and where the output is read more widely (a slice, a mean over the mask).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.absentinput import _spans
+from maskcli.checks.context import Run
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def padding_pooled(run: Run) -> list:
+    """Model calls whose output a row was read from at a position its attention_mask marks padding."""
+    found = []
+    for top in run.tops:
+        if not top.pooled:
+            continue
+        calls = run.made_by(top)
+        if not calls:
+            continue
+        for read in top.pooled:
+            real = read["mask"]
+            rows, positions = read["rows"], read["positions"]
+            bad = [(int(r), int(p)) for r, p in zip(rows.tolist(), positions.tolist()) if real[r].any() and not real[r, p]]
+            if not bad:
+                continue
+            r, p = bad[0]
+            tokens = np.flatnonzero(real[r])
+            side = "left" if not real[r, 0] else "right" if not real[r, -1] else "inside"
+            others = f" (and row{'s' if len(bad) > 2 else ''} {', '.join(str(b[0]) for b in bad[1:])})" if len(bad) > 1 else ""
+            found.append((calls[-1], Finding("padding-pooled", (
+                f"batch row {r}{others} of {top.where}'s output is pooled at position {p} by {read['how']}, a padding "
+                f"position of the attention_mask it was called with (row {r}'s tokens: {_spans(tokens)}, padded on the "
+                f"{side}): the row's embedding is a pad token's — a last-token index counting the other padding side?"),
+                expected=f"row {r} pooled at one of its tokens {_spans(tokens)}",
+                source=f"attention_mask of {top.where}", cell=(r, p, p))))
+            break
+    return found
+
+
+RULES = (
+    Rule("padding-pooled", "wrong", "steps", "a batch row of a model's output pooled (indexed at one position per row: "
+         "last-token or first-token pooling) at a position the attention_mask it was called with marks padding",
+         padding_pooled),
+)

@@ -1,0 +1,112 @@
+"""A mean over a batch's positions whose sum counts positions its divisor, a mask's sum, does not.
+
+`x.sum(dim) / mask.sum(-1)` is a masked mean: the divisor counts each row's real positions (the 0/1 mask the program
+holds), so the sum must run over those alone (`(x * mask).sum(dim)`, or x already 0 where the mask is). Every
+`sum` over one axis is looked at as it runs (entry.py's REDUCE wrapper): a 2-D 0/1 integer or bool tensor with a 0
+in it summed over its last axis is followed (weakly) as a count of positions, through the calls that keep its
+elements (an unsqueeze, a clamp, a cast, `+ eps`); a float tensor of 2 dims or more summed over one axis other than its first, its dims not
+kept, is remembered (the last few, weakly, with what it summed). A division of such a sum by such a count, the sum's
+first axis the mask's rows and its summed axis as long as the mask's positions, where the summed tensor is not 0 at
+some position the mask leaves out of its row's count, is recorded on the last attention call made
+(details `masked_mean`: checks/maskmean.py says it). rerankers#75: ColBERT's MaxSim summed over every query token,
+the [MASK] augmentation's too, divided by `q_mask.sum()`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from maskcli.trace.unseen import unseen
+
+MOST = 4096  # a count's mask elements at most
+HELD = 8  # sums remembered at once
+REDUCES = frozenset({torch.sum, torch.Tensor.sum})
+DIVISIONS = frozenset({"div", "divide", "true_divide", "__truediv__"})  # (by name: a method reaches the mode as itself)
+
+
+def reduced(args: tuple, kwargs: dict, out) -> bool:
+    """A sum over one axis of a tensor of 2 dims or more (entry.py's wanted REDUCE; every sum passes here)."""
+    return type(out) is torch.Tensor and len(args) > 0 and type(args[0]) is torch.Tensor and args[0].dim() >= 2 \
+        and isinstance(_dim(args, kwargs), int)
+
+
+def _dim(args: tuple, kwargs: dict):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+
+
+class MaskMean:
+    def __init__(self) -> None:
+        self._found: dict = {}  # id(a count) -> (weakref to it, the (B, L) bool mask it counts)
+        self.sums: dict = {}  # id(a sum) -> (weakref to it, weakref to what it summed, the axis summed)
+
+    def after(self, func, args: tuple, kwargs: dict, out, calls: list) -> None:
+        """A sum remembered, a count followed through a call keeping its elements, a division looked at."""
+        try:
+            if func in REDUCES:
+                if reduced(args, kwargs, out):
+                    with unseen():
+                        self._summed(args, kwargs, out)
+            elif len(args) > 1 and getattr(func, "__name__", "") in DIVISIONS:
+                with unseen():
+                    self._divided(args[0], args[1], calls)
+            else:
+                self._kept(args, kwargs, out)
+        except (Exception, SystemExit):  # noqa: BLE001 - what the other followers read of this call is read still
+            pass
+
+    def _kept(self, args: tuple, kwargs: dict, out) -> None:
+        """A count followed on through a call that keeps its elements (no other tensor in it)."""
+        if args and id(args[0]) in self._found and type(out) is torch.Tensor and len(args) + len(kwargs) <= 3 \
+                and not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+            held = self._found[id(args[0])]
+            if held[0]() is args[0] and out.numel() == args[0].numel():
+                self._follow(out, held[1])
+
+    def _follow(self, count: torch.Tensor, mask: np.ndarray) -> None:
+        key = id(count)
+        self._found[key] = (weakref.ref(count, lambda _, key=key, found=self._found: found.pop(key, None)), mask)
+
+    def _summed(self, args: tuple, kwargs: dict, out) -> None:
+        x, dim = args[0], _dim(args, kwargs)
+        if not -x.dim() <= dim < x.dim() or x.device.type == "meta":
+            return
+        dim %= x.dim()
+        if x.dim() == 2 and dim == 1 and x.numel() <= MOST and not x.is_floating_point() and not x.is_complex():
+            values = x.detach().cpu().numpy()
+            if ((values == 0) | (values == 1)).all() and (values == 0).any() and (values == 1).any():
+                self._follow(out, values != 0)
+        keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        if x.is_floating_point() and dim != 0 and not keep:
+            if len(self.sums) >= HELD:
+                self.sums.pop(next(iter(self.sums)))
+            self.sums[id(out)] = (weakref.ref(out), weakref.ref(x), dim)
+
+    def _divided(self, num, den, calls: list) -> None:
+        count, summed = self._found.get(id(den)), self.sums.get(id(num))
+        if count is None or summed is None or count[0]() is not den or summed[0]() is not num or not calls:
+            return
+        x, mask, dim = summed[1](), count[1], summed[2]
+        if x is None or x.shape[0] != mask.shape[0] or x.shape[dim] != mask.shape[1]:
+            return
+        values = torch.movedim(x.detach(), dim, 1).reshape(x.shape[0], x.shape[dim], -1).cpu().numpy()
+        counted = found_in(values, mask)
+        if counted is not None:
+            row, positions = counted
+            calls[-1].details.setdefault("masked_mean", []).append({
+                "row": row, "positions": positions, "mask": list(mask.shape), "summed": list(x.shape), "axis": dim})
+
+
+def found_in(values: np.ndarray, mask: np.ndarray) -> tuple[int, list[int]] | None:
+    """(the first row, its positions) where (B, L, ...) `values` are not 0 at a position the (B, L) bool `mask` leaves
+    out of a row it counts some position of; None where the sum runs over the counted positions alone."""
+    for row in range(mask.shape[0]):
+        if not mask[row].any():
+            continue
+        out = ~mask[row] & (values[row] != 0).any(axis=-1)
+        if out.any():
+            return row, np.flatnonzero(out).tolist()
+    return None

@@ -1,0 +1,167 @@
+"""Where a program reads one position per batch row of its model's output: the position each row is pooled at.
+
+An embedder built on a decoder pools each row's last token (`last_hidden_state[arange(B), attention_mask.sum(1) - 1]`,
+`last_hidden_state[:, -1]`, a `gather` along the positions); an encoder pools its first (`[:, 0]`). Where the batch
+is padded, the program states which positions are its rows' tokens: the `attention_mask` it handed the model call.
+So each outermost call whose output states a `last_hidden_state` (a transformers model's output, or a dict holding
+one) of (B, L, D), handed a (B, L) `attention_mask` with padding in it, has that tensor followed (weakly: nothing
+kept alive, and the mode is on only while it lives) until it is indexed with one position per row: an int or a
+slice-free index on the positions (`[:, -1]`), a pair of index tensors (the rows, the positions), or
+`gather(1, ...)` with one position per row. The rows and positions read, with that mask, are kept on the call's
+Top (`pooled`: attached as the tops are read), which checks/poolpad.py holds against the mask. Logits are not
+followed (a generate loop reads `[:, -1]` of its left-padded batch rightly, and would keep the mode on throughout).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import numpy as np
+import torch
+
+from maskcli.trace.unseen import unseen
+
+MOST = 4096  # rows x positions of the mask kept at most
+
+
+class PoolRows:
+    def __init__(self) -> None:
+        self._found: dict = {}  # id(last_hidden_state) -> (weakref to it, its call's record)
+        self.records: dict = {}  # (first, end) of an outermost call's calls -> {"mask", "reads"}
+
+    def note(self, output, module, args: tuple, kwargs: dict, first: int, end: int) -> bool:
+        """Follow the `last_hidden_state` of an outermost call's `output` where the call was handed padding over it;
+        whether it is followed. Nothing raised reaches the program."""
+        try:
+            hidden = _hidden(output)
+            if hidden is None:
+                return False
+            with unseen():  # (maskcli's own reads: no mode, no subclass of the program's sees them)
+                mask = _mask(module, args, kwargs)
+                if not _padded(mask) or tuple(mask.shape) != tuple(hidden.shape[:2]):
+                    return False
+                mask = mask.detach().cpu().numpy() != 0
+            record = self.records[(first, end)] = {"mask": mask, "reads": []}
+            key = id(hidden)
+            self._found[key] = (weakref.ref(hidden, lambda _, key=key, found=self._found: found.pop(key, None)), record)
+            return True
+        except (Exception, SystemExit):  # noqa: BLE001 - the program's output stays its own
+            return False
+
+    def first_call(self, frame, module, args: tuple, kwargs: dict, held: list, follow) -> None:
+        """A module's first outermost call, hooked as it runs (its forward hook does not run for it): where it was handed
+        padding, its frame's return is watched (a profile function on this thread, until that frame returns: once a
+        model) and its output noted as the hook would."""
+        if getattr(module, "lm_head", None) is not None or sys.getprofile() is not None:
+            return  # (a language model's head makes logits: its output states no last_hidden_state to follow)
+        try:
+            with unseen():  # (maskcli's own reads: no mode, no subclass of the program's sees them)
+                if not _padded(_mask(module, args, kwargs)):
+                    return
+        except (Exception, SystemExit):  # noqa: BLE001 - the program's arguments stay its own
+            return
+
+        def profile(called, event: str, arg) -> None:
+            if event == "return" and called is frame:
+                sys.setprofile(None)
+                try:
+                    if self.note(arg, module, args, kwargs, held[4], held[5]):
+                        follow()
+                except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program
+                    pass
+
+        sys.setprofile(profile)
+
+    def attach(self, tops: list) -> None:
+        """Each record with reads onto its call's Top (`pooled`: the mask and the reads)."""
+        if not self.records:
+            return
+        for top in tops:
+            record = self.records.get((getattr(top, "first", None), getattr(top, "end", None)))
+            if record is not None and record["reads"] and hasattr(top, "pooled"):
+                top.pooled = [{**read, "mask": record["mask"]} for read in record["reads"]]
+
+    def after(self, func, args: tuple, kwargs: dict) -> None:
+        """Record the position each row is read at, where `func` indexes a followed output."""
+        given = args[0] if args else None
+        held = self._found.get(id(given))
+        if held is None or held[0]() is not given:
+            return
+        try:
+            self._read(func, args, kwargs, given, held[1])
+        except (Exception, SystemExit):  # noqa: BLE001 - what the other followers read of this call is read still
+            pass
+
+    def _read(self, func, args: tuple, kwargs: dict, given: torch.Tensor, record: dict) -> None:
+        name = getattr(func, "__name__", "")
+        rows, length = given.shape[0], given.shape[1]
+        if name == "__getitem__" and len(args) > 1:
+            read = _indexed(args[1], rows, length)
+        elif name == "gather":
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            index = args[2] if len(args) > 2 else kwargs.get("index")
+            read = _gathered(dim, index, rows, length)
+        else:
+            return
+        if read is not None:
+            record["reads"].append({"rows": read[0], "positions": read[1], "how": read[2]})
+
+
+def _mask(module, args: tuple, kwargs: dict):
+    """The `attention_mask` a module call was handed."""
+    mask = kwargs.get("attention_mask")
+    if mask is None and args:
+        from maskcli.trace.tops import _given
+
+        mask = _given(module, args, kwargs)[1].get("attention_mask")
+    return mask
+
+
+def _padded(mask) -> bool:
+    """A (B, L) 0/1 or bool tensor with some 0 in it."""
+    return type(mask) is torch.Tensor and mask.dim() == 2 and mask.numel() <= MOST and not mask.is_floating_point() \
+        and mask.device.type != "meta" and not bool(mask.all())
+
+
+def _hidden(output):
+    """The (B, L, D) float `last_hidden_state` an output states, or None."""
+    hidden = getattr(output, "last_hidden_state", None) if not isinstance(output, dict) else output.get("last_hidden_state")
+    if type(hidden) is not torch.Tensor or hidden.dim() != 3 or not hidden.is_floating_point() or hidden.device.type == "meta":
+        return None
+    return hidden
+
+
+def _ints(index, rows: int) -> np.ndarray | None:
+    """A 1-D integer index tensor of `rows` entries, as numpy."""
+    if not issubclass(type(index), torch.Tensor) or index.dim() != 1 or index.shape[0] != rows \
+            or index.is_floating_point() or index.dtype == torch.bool or index.device.type == "meta":
+        return None
+    return index.detach().cpu().numpy().astype(np.int64)
+
+
+def _indexed(index, rows: int, length: int):
+    """(rows, positions, how) of `output[index]` reading one position per row, or None."""
+    if not isinstance(index, tuple) or len(index) < 2:
+        return None
+    first, second = index[0], index[1]
+    if isinstance(first, slice) and first == slice(None) and isinstance(second, int) and not isinstance(second, bool) \
+            and -length <= second < length:
+        return np.arange(rows), np.full(rows, second % length), f"[:, {second}]"
+    at, where = _ints(first, rows), _ints(second, rows)
+    if at is None or where is None or ((where < -length) | (where >= length)).any() or ((at < 0) | (at >= rows)).any():
+        return None
+    return at, where % length, "[rows, positions]"
+
+
+def _gathered(dim, index, rows: int, length: int):
+    """(rows, positions, how) of `output.gather(1, index)` reading one position per row, or None."""
+    if dim not in (1, -2) or not issubclass(type(index), torch.Tensor) or index.dim() != 3 or index.shape[:2] != (rows, 1):
+        return None
+    index = index.detach().cpu()
+    if not (index == index[..., :1]).all():
+        return None
+    where = index[:, 0, 0].numpy().astype(np.int64)
+    if ((where < 0) | (where >= length)).any():
+        return None
+    return np.arange(rows), where, "gather(1, ...)"

@@ -1,0 +1,74 @@
+"""checks/maskmean.py (fed by trace/maskmean.py): a sum over a batch's positions divided by a 0/1 mask's sum whose summed
+values are not 0 where the mask leaves them out, on a reproduction of a published bug (rerankers' ColBERT MaxSim over
+the query's [MASK] tokens) and on the same bug written otherwise (a right-padded BERT's mean pooling, `torch.sum` over a
+clamped count), both fixes quiet; found_in against a loop over rows and positions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from checkbugs import check_bug
+from maskcli.trace.maskmean import found_in
+
+MASKMEAN = Path(__file__).parent / "data" / "maskmean"
+
+
+def test_colbert_maxsim_summed_over_masked_query_tokens_is_flagged_and_its_fix_is_not(tmp_path):
+    # AnswerDotAI/rerankers #75 / PR #76: _colbert_score summed the per-token MaxSim over every query position, the
+    # [MASK] augmentation (attention_mask 0) too, and divided by q_mask.sum()
+    [hit] = check_bug(tmp_path, "rerankers_colbert_score_query_mask_not_applied", "mean-counts-masked")[:1]
+    assert "(1, 14) mask's sum" in hit["message"] and "positions 6, 7" in hit["message"]
+
+
+def test_mean_pooling_that_sums_the_padding_is_flagged_and_the_masked_sum_is_not(tmp_path):
+    [hit] = check_bug(tmp_path, "bert_mean_pooling_sum_over_padding_divided_by_lengths", "mean-counts-masked",
+                      MASKMEAN)[:1]
+    assert "batch row 1 sums values at positions 3, 4, 5, 6" in hit["message"]
+
+
+def _reference(values: np.ndarray, mask: np.ndarray):
+    for row in range(mask.shape[0]):
+        if not any(mask[row]):
+            continue
+        out = [p for p in range(mask.shape[1]) if not mask[row, p] and any(v != 0 for v in values[row, p].ravel())]
+        if out:
+            return row, out
+    return None
+
+
+def test_found_in_matches_a_loop_over_rows_and_positions():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows, length = int(rng.integers(1, 4)), int(rng.integers(1, 6))
+        mask = rng.random((rows, length)) < 0.6
+        values = rng.normal(size=(rows, length, 2)) * (rng.random((rows, length, 1)) < 0.5)
+        if rng.random() < 0.5:
+            values = values * mask[..., None]  # the fix: 0 wherever the mask leaves a position out
+        assert found_in(values, mask) == _reference(values, mask)
+
+
+def test_a_scripted_function_calling_torch_sum_compiles_and_runs_while_sums_are_watched(tmp_path):
+    # `sum` is watched for masked means: torch.sum is then a wrapper, which TorchScript must still read as aten::sum
+    # (axolotl's @torch.jit.script get_max_seqlen_in_batch); the scripted result checked against torch's own
+    import json
+
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    program = tmp_path / "scripted_sum.py"
+    program.write_text(
+        "import torch\n"
+        "import torch.nn.functional as F\n\n"
+        "@torch.jit.script\n"
+        "def lengths(mask: torch.Tensor) -> torch.Tensor:\n"
+        "    return torch.sum(mask, dim=-1)\n\n"
+        "mask = torch.tensor([[1, 1, 0], [1, 1, 1]])\n"
+        "assert lengths(mask).tolist() == [2, 3]\n"
+        "q = torch.randn(2, 1, 3, 4)\n"
+        "F.scaled_dot_product_attention(q, q, q, attn_mask=mask.bool()[:, None, None, :])\n")
+    out = tmp_path / "scripted_sum.json"
+    result = CliRunner().invoke(app, ["trace", "--json", str(out), str(program)])
+    assert json.loads(out.read_text())["exit_status"] == 0, result.output

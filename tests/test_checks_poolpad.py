@@ -1,0 +1,74 @@
+"""checks/poolpad.py (fed by trace/poolrows.py): a batch row of a model's output pooled at a position its attention_mask
+marks padding, on a reproduction of a published bug (Echo's last-token pool of a left-padded batch at
+`attention_mask.sum(1) - 1`) and on the same bug written otherwise (a right-padded batch pooled at `[:, -1]`, the fix
+a `gather`), both fixes quiet; the positions trace reads of an index against what torch's indexing returns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from checkbugs import check_bug
+from maskcli.checks.context import Run, Top
+from maskcli.checks.poolpad import padding_pooled
+from maskcli.trace.poolrows import _gathered, _indexed
+
+POOLPAD = Path(__file__).parent / "data" / "poolpad"
+
+
+def test_echo_last_token_pool_of_a_left_padded_batch_is_flagged_and_its_fix_is_not(tmp_path):
+    # xiezijun714-lang/Echo PR #24: DenseRetriever._last_token_pool gathered attention_mask.sum(1) - 1 of a batch its
+    # tokenizer padded on the left (padding_side="left"), pooling rows at pad or mid-sequence tokens
+    [hit] = check_bug(tmp_path, "echo_bcp_retrieval_server_last_token_pool_left_padding", "padding-pooled")[:1]
+    assert "batch row 1 (and row 2)" in hit["message"] and "position 6" in hit["message"]
+    assert "padded on the left" in hit["message"]
+
+
+def test_a_right_padded_batch_pooled_at_its_last_column_is_flagged_and_the_gather_fix_is_not(tmp_path):
+    [hit] = check_bug(tmp_path, "mistral_embedder_right_padded_batch_pooled_at_last_column", "padding-pooled", POOLPAD)[:1]
+    assert "batch row 1 (and row 2)" in hit["message"] and "position 7 by [:, -1]" in hit["message"]
+    assert "padded on the right" in hit["message"]
+
+
+def _read(hidden: torch.Tensor, picked: torch.Tensor):
+    """(rows, positions) a pooled (B, D) tensor was read at, decoded from a hidden state holding b * 100 + l."""
+    codes = picked[:, 0].long().numpy()
+    return codes // 100, codes % 100
+
+
+def test_the_positions_read_match_what_torch_indexing_returns():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        rows, length = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        hidden = (torch.arange(rows)[:, None] * 100 + torch.arange(length)[None, :]).float()[..., None].expand(-1, -1, 3)
+        positions = torch.from_numpy(rng.integers(-length, length, rows))
+        kind = int(rng.integers(3))
+        if kind == 0:
+            index = (slice(None), int(positions[0]))
+            got = _indexed(index, rows, length)
+        elif kind == 1:
+            index = (torch.from_numpy(rng.permutation(rows)), positions)
+            got = _indexed(index, rows, length)
+        else:
+            index = None
+            gathered = (positions % length).view(-1, 1, 1).expand(-1, 1, 3)
+            got = _gathered(1, gathered, rows, length)
+            picked = torch.gather(hidden, 1, gathered).squeeze(1)
+        if index is not None:
+            picked = hidden[index]
+        want_rows, want_positions = _read(hidden, picked)
+        assert got[0].tolist() == want_rows.tolist() and got[1].tolist() == want_positions.tolist()
+
+
+def test_only_a_row_pooled_at_its_padding_is_said():
+    mask = np.array([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=bool)  # left-padded, full, all padding
+    call = type("Call", (), {"index": 0})()
+    top = Top("model", first=0, end=1)
+    run = Run([call], [top])
+    top.pooled = [{"rows": np.arange(3), "positions": np.array([3, 0, 1]), "how": "[rows, positions]", "mask": mask}]
+    assert padding_pooled(run) == []  # the last token, a full row's first, a row with no token
+    top.pooled[0]["positions"] = np.array([1, 3, 3])
+    [(_, finding)] = padding_pooled(run)
+    assert finding.cell == (0, 1, 1) and "tokens: 2-3" in finding.message
