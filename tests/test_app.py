@@ -156,7 +156,7 @@ def test_at_60_columns_a_20_key_mask_is_still_a_table_and_verify_keeps_its_numbe
 
 def test_at_60_columns_wide_values_become_a_table_of_1_and_0_not_a_map():
     lines = runner.invoke(app, ["show", "causal", "--len", "12", "--as", "additive"], env={"COLUMNS": "60"}).stdout.splitlines()
-    assert lines[2:4] == ["cells shown as 1 / 0 (1 = may attend): 0 / -inf do not fit", "60 columns"]
+    assert lines[2:4] == ["cells shown as 1 / 0 (1 = may attend): 0 / -inf do not fit", "  60 columns"]
     assert lines[5].split() == ["0", "1"] + ["0"] * 11 and lines[-1].split() == ["11"] + ["1"] * 12
     wide = runner.invoke(app, ["show", "causal", "--len", "4", "--as", "additive"], env={"COLUMNS": "120"}).stdout
     assert "-inf" in wide and "cells shown as" not in wide
