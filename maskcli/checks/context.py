@@ -40,7 +40,7 @@ class Top:
     pools: tuple = ()  # the positions each of its attention poolings weighs (trace/poolweights.py: pooledpad.py)
     rows: tuple = ()  # (name, one hash per row of its first axis) of each small tensor argument (trace/samplerows.py)
     state_writes: int | None = None  # module state assigned before the call began (trace/assigned.py: continued.py)
-    pooled: list = field(default_factory=list)  # rows and positions its output was read at (trace/poolrows.py: poolpad.py)
+    pooled: list = field(default_factory=list)  # rows and positions its output was read at (trace/poolrows.py: pooledat.py)
 
 
 @dataclass

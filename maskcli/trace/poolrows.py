@@ -8,7 +8,7 @@ one) of (B, L, D), handed a (B, L) `attention_mask` with padding in it, has that
 kept alive, and the mode is on only while it lives) until it is indexed with one position per row: an int or a
 slice-free index on the positions (`[:, -1]`), a pair of index tensors (the rows, the positions), or
 `gather(1, ...)` with one position per row. The rows and positions read, with that mask, are kept on the call's
-Top (`pooled`: attached as the tops are read), which checks/poolpad.py holds against the mask. Logits are not
+Top (`pooled`: attached as the tops are read), which checks/pooledat.py holds against the mask. Logits are not
 followed (a generate loop reads `[:, -1]` of its left-padded batch rightly, and would keep the mode on throughout).
 """
 

@@ -39,7 +39,7 @@ def padding_pooled(run: Run) -> list:
             tokens = np.flatnonzero(real[r])
             side = "left" if not real[r, 0] else "right" if not real[r, -1] else "inside"
             others = f" (and row{'s' if len(bad) > 2 else ''} {', '.join(str(b[0]) for b in bad[1:])})" if len(bad) > 1 else ""
-            found.append((calls[-1], Finding("padding-pooled", (
+            found.append((calls[-1], Finding("pooled-at-padding", (
                 f"batch row {r}{others} of {top.where}'s output is pooled at position {p} by {read['how']}, a padding "
                 f"position of the attention_mask it was called with (row {r}'s tokens: {_spans(tokens)}, padded on the "
                 f"{side}): the row's embedding is a pad token's — a last-token index counting the other padding side?"),
@@ -50,7 +50,7 @@ def padding_pooled(run: Run) -> list:
 
 
 RULES = (
-    Rule("padding-pooled", "wrong", "steps", "a batch row of a model's output pooled (indexed at one position per row: "
+    Rule("pooled-at-padding", "wrong", "steps", "a batch row of a model's output pooled (indexed at one position per row: "
          "last-token or first-token pooling) at a position the attention_mask it was called with marks padding",
          padding_pooled),
 )

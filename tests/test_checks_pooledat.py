@@ -1,4 +1,4 @@
-"""checks/poolpad.py (fed by trace/poolrows.py): a batch row of a model's output pooled at a position its attention_mask
+"""checks/pooledat.py (fed by trace/poolrows.py): a batch row of a model's output pooled at a position its attention_mask
 marks padding, on a reproduction of a published bug (Echo's last-token pool of a left-padded batch at
 `attention_mask.sum(1) - 1`) and on the same bug written otherwise (a right-padded batch pooled at `[:, -1]`, the fix
 a `gather`), both fixes quiet; the positions trace reads of an index against what torch's indexing returns."""
@@ -12,22 +12,22 @@ import torch
 
 from checkbugs import check_bug
 from maskcli.checks.context import Run, Top
-from maskcli.checks.poolpad import padding_pooled
+from maskcli.checks.pooledat import padding_pooled
 from maskcli.trace.poolrows import _gathered, _indexed
 
-POOLPAD = Path(__file__).parent / "data" / "poolpad"
+POOLPAD = Path(__file__).parent / "data" / "pooledat"
 
 
 def test_echo_last_token_pool_of_a_left_padded_batch_is_flagged_and_its_fix_is_not(tmp_path):
     # xiezijun714-lang/Echo PR #24: DenseRetriever._last_token_pool gathered attention_mask.sum(1) - 1 of a batch its
     # tokenizer padded on the left (padding_side="left"), pooling rows at pad or mid-sequence tokens
-    [hit] = check_bug(tmp_path, "echo_bcp_retrieval_server_last_token_pool_left_padding", "padding-pooled")[:1]
+    [hit] = check_bug(tmp_path, "echo_bcp_retrieval_server_last_token_pool_left_padding", "pooled-at-padding")[:1]
     assert "batch row 1 (and row 2)" in hit["message"] and "position 6" in hit["message"]
     assert "padded on the left" in hit["message"]
 
 
 def test_a_right_padded_batch_pooled_at_its_last_column_is_flagged_and_the_gather_fix_is_not(tmp_path):
-    [hit] = check_bug(tmp_path, "mistral_embedder_right_padded_batch_pooled_at_last_column", "padding-pooled", POOLPAD)[:1]
+    [hit] = check_bug(tmp_path, "mistral_embedder_right_padded_batch_pooled_at_last_column", "pooled-at-padding", POOLPAD)[:1]
     assert "batch row 1 (and row 2)" in hit["message"] and "position 7 by [:, -1]" in hit["message"]
     assert "padded on the right" in hit["message"]
 
