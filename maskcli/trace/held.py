@@ -79,9 +79,9 @@ def names(code):
         _SKIP = _skipped()
     found = _NAMES.get(code)
     if found is None and code.co_name == "<module>" and not code.co_filename.startswith((*_SKIP, "<")):
-        # a script's top level: its globals named as the batch's lengths or its padding mask (a module's other names,
-        # `mask` among them, say too little there)
-        found = _NAMES.put(code, tuple(n for n in code.co_names if LENGTHS.search(n) or PAD.search(n)))
+        # a script's top level: its globals named as the batch's lengths or its padding mask (a plain `mask` says
+        # too little there alone: checks/heldscript.py reads one only where the token ids held beside agree with it)
+        found = _NAMES.put(code, tuple(n for n in code.co_names if LENGTHS.search(n) or PAD.search(n) or KEEP.search(n)))
     if found is None:
         found = _NAMES.put(code, _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else
             tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
