@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, first_cell, keep, queries
+from maskcli.checks.context import Run, cross, keep, queries
 from maskcli.checks.padids import id_padding
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -82,31 +82,31 @@ def _filler(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pairs(seen: np.ndarray, ids: np.ndarray, real: np.ndarray, restart: np.ndarray) -> np.ndarray | None:
-    """Bool (B, Lq, Lk): real queries that see an earlier real key of their sequence at the same ids; None if none.
-    Only tokens whose ids some other real token of the row shares are compared (np.unique, not L x L x C)."""
-    bad = None
+def _pairs(seen: np.ndarray, ids: np.ndarray, real: np.ndarray, restart: np.ndarray) -> tuple[tuple, int] | None:
+    """(the first (b, q, k), how many) of the real queries that see an earlier real key of their sequence at the same
+    ids; None if none. Only tokens whose ids another real token of the row shares are compared (np.unique, not
+    L x L x C)."""
+    first, count = None, 0
     for b in range(seen.shape[0]):
         where = np.flatnonzero(real[b])
         if where.size < 2:
             continue
-        _, group, count = np.unique(ids[:, b, where].T, axis=0, return_inverse=True, return_counts=True)
+        _, group, sizes = np.unique(ids[:, b, where].T, axis=0, return_inverse=True, return_counts=True)
         group = group.reshape(-1)
-        shared = where[count[group] > 1]
-        if shared.size < 2:
-            continue
-        labels = group[count[group] > 1]
+        shared, labels = where[sizes[group] > 1], group[sizes[group] > 1]
         q, k = shared[:, None], shared[None, :]
         one = (labels[:, None] == labels[None, :]) & (q > k) & seen[b][q, k] & (restart[b][q] == restart[b][k])
         if one.any():
-            bad = np.zeros(seen.shape, dtype=bool) if bad is None else bad
-            bad[b][q, k] = one
-    return bad
+            count += int(one.sum())
+            if first is None:
+                at = np.argwhere(one)[0]  # (row-major, `shared` in token order: the first query, then its key)
+                first = (b, int(shared[at[0]]), int(shared[at[1]]))
+    return None if first is None else (first, count)
 
 
 def repeated(run: Run) -> list:
     """A real query that sees a real key of its own sequence at the same multimodal rope ids as its own."""
-    found, done = [], set()
+    found, done = [], {}
     for call in run.calls:
         top = run.top(call)
         got = _rope(call, top)
@@ -114,28 +114,35 @@ def repeated(run: Run) -> list:
         if got is None or call.stored is None or call.shape[2] != call.shape[3] or cross(call) \
                 or got[0].shape[1] not in (1, rows) or got[0].shape[2] != call.shape[3] or queries(call, top)[0] != 0:
             continue
-        (ids, said), cells = got, keep(call)
-        key = (call.mask, call.shape, ids.tobytes())
-        if key in done or cells is None or cells.shape[0] not in (1, rows):
-            continue
-        done.add(key)
-        seen = np.broadcast_to(cells.any(axis=1), (rows, *cells.shape[2:]))
-        ids = np.broadcast_to(ids, (ids.shape[0], rows, ids.shape[2]))
-        real, stated = _real(call, top, seen)
-        if not stated:
-            real = real & ~_filler(ids)
-        restart = np.cumsum((ids == 0).all(axis=0) & real, axis=1)  # (a packed sample's first token: a new sequence)
-        bad = _pairs(seen, ids, real, restart)
-        if bad is None:
-            continue
-        b, q, k = first_cell(bad)
-        place = tuple(int(v) for v in ids[:, b, q])
-        found.append((call, Finding("positions-repeated", (
-            f"batch row {b}: query {q} sees key {k}, both real tokens of one sequence, and {said} place both at "
-            f"{place} ({int(bad.sum())} such cells): the rope ids were not counted over this row's real tokens (the "
-            f"rope index handed another mask than the batch's padding, filling real tokens as padding?)"),
-            expected="each real token of a sequence at rope ids of its own", source=said, cell=(b, q, k))))
+        (ids, said), key = got, (call.mask, call.shape, got[0].tobytes())
+        if key not in done:
+            done[key] = _finding(call, top, ids, said)
+        if done[key] is not None:
+            found.append((call, done[key]))
     return found
+
+
+def _finding(call, top, ids: np.ndarray, said: str) -> Finding | None:
+    """positions-repeated's finding on one call's mask and rope ids (C, B or 1, L), or None."""
+    cells, rows = keep(call), call.shape[0]
+    if cells is None or cells.shape[0] not in (1, rows):
+        return None
+    seen = np.broadcast_to(cells.any(axis=1), (rows, *cells.shape[2:]))
+    ids = np.broadcast_to(ids, (ids.shape[0], rows, ids.shape[2]))
+    real, stated = _real(call, top, seen)
+    if not stated:
+        real = real & ~_filler(ids)
+    restart = np.cumsum((ids == 0).all(axis=0) & real, axis=1)  # (a packed sample's first token: a new sequence)
+    pairs = _pairs(seen, ids, real, restart)
+    if pairs is None:
+        return None
+    (b, q, k), count = pairs
+    place = tuple(int(v) for v in ids[:, b, q])
+    return Finding("positions-repeated", (
+        f"batch row {b}: query {q} sees key {k}, both real tokens of one sequence, and {said} place both at {place} "
+        f"({count} such cells): the rope ids were not counted over this row's real tokens (the rope index handed "
+        f"another mask than the batch's padding, filling real tokens as padding?)"),
+        expected="each real token of a sequence at rope ids of its own", source=said, cell=(b, q, k))
 
 
 RULES = (
