@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from checkbugs import check_bug, first
+from checkbugs import check_bug, first, traced
 from maskcli.checks.repeated import _pairs, ids_padding
 
 REPEATED = Path(__file__).parent / "data" / "repeated"
@@ -67,3 +68,11 @@ def test_left_padded_vlm_rope_index_from_labels_mask(tmp_path):
     pads, answer = 2, 3  # row 0: 2 left pads, then 9 prompt tokens (left at 1), then 3 answer tokens counted
     expected = first((2, 14, 14), lambda b, q, k: b == 0 and pads <= k < q < 14 - answer)
     assert tuple(found[0]["cell"]) == expected
+
+
+def test_quiet_on_transformers_qwen2_vl_generating_from_a_left_padded_batch(tmp_path):
+    """transformers' Qwen2-VL over two left-padded prompts with an image each: the pads stay at the rope index's fill,
+    not real; each real token at ids of its own."""
+    pytest.importorskip("transformers")
+    status, found, report = traced(tmp_path, "hf_qwen2_vl_left_padded_batch_generate", False, REPEATED)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
