@@ -921,3 +921,30 @@ def test_a_generate_loops_decoder_mask_held_beside_its_encoder_is_not_the_encode
     PR #48028 (blind-dz), whose --fixed run main called padding-unused, in plain torch. No frame is padding: quiet."""
     status, found, report = traced(tmp_path, "speech_generate_loop_decoder_mask_held_beside_encoder", False, HELD)
     assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
+
+
+def _pads_both_ends(shape: tuple[int, int, int], left_pads: tuple[int, ...], extra: int):
+    """The reference for a script's (B, w) left-padded keep mask over a causal self-attention of w + extra keys, read
+    with the extra (real) tokens before the text or after it: a real query under both readings that sees a key both
+    call padding (a double loop over the cells)."""
+    def pad(b, key, before):
+        at = key - extra if before else key
+        return 0 <= at < shape[2] - extra and at < left_pads[b]
+
+    return first(shape, lambda b, q, k: k <= q and not pad(b, q, True) and not pad(b, q, False)
+                 and pad(b, k, True) and pad(b, k, False))
+
+
+def test_nanovlm_generate_drops_the_left_padding_mask(tmp_path):
+    """huggingface/nanoVLM 8c87101 + 1e1e95c (written blind, batch blind-dy): generate() rebinds the attention_mask it
+    is handed to None and calls the decoder over [4 image tokens | left-padded prompt] without it; the script's
+    top-level `mask` is the batch's padding, the ids generate holds pad exactly where it is 0."""
+    found = check_bug(tmp_path, "nanovlm_generate_left_padding_mask_dropped", "padding-unused")
+    assert tuple(found[0]["cell"]) == _pads_both_ends((2, 12, 12), (0, 5), 4)
+
+
+def test_prompt_tuning_wrapper_filters_out_attention_mask(tmp_path):
+    """Written another way: a prompt-tuning wrapper prepends 3 soft tokens and passes on only the keyword arguments
+    the model's forward names (key_padding_mask), so the script's `attention_mask` never reaches SDPA's causal call."""
+    found = check_bug(tmp_path, "prompt_tuning_wrapper_filters_out_attention_mask", "padding-unused", folder=HELD)
+    assert tuple(found[0]["cell"]) == _pads_both_ends((2, 10, 10), (0, 4), 3)

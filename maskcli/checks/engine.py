@@ -17,6 +17,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     # (dtypes.py); the padded query rows of a padding laid on the query axis (queryaxis.py)
     "sees-later": {"padding-on-queries"},  # the real rows that see the pads after them: the same padding's axis
     "padding-lost": {"padding-ignored"},
+    "positions-repeated": {"positions-stalled"},  # the same rope ids, said as the packed segment ids they stall on
     "encoder-padding-ignored": {"memory-padding-inverted", "batch-rows-on-queries"},  # the same padded memory keys,
     # said as the inverted mask they are (memturned.py: every padded row sees only the encoder's pads), or as the
     # memory's padding laid on the queries (rowsonqueries.py)
@@ -25,7 +26,9 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     # say the pads without the mask the program held and never passed: both are said then)
     "padding-unused": {"padding-ignored (a mask)", "padding-lost", "encoder-padding-ignored", "batch-rows-on-queries",
                        "mask-of-another-row"},  # (another row's padding, laid on this row's head: headrows.py)
-    "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
+    "documents-leak": {"varlen-leak", "varlen-disagree", "positions-repeated"},  # documents given outright
+    # (varlen.py); or rope ids stalled at the pad fill over real tokens, counting from 0 over the pads: no packing
+    # (repeated.py)
     "samples-leak": {"documents-leak", "varlen-leak"},  # numbered samples, said by their position_ids or cu_seqlens first
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
     "window-differs-at-decode": {"window-lost"},  # a decode step wider than its prefill: said as the window lost

@@ -32,6 +32,7 @@ from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, seen_both_ways
 from maskcli.checks.heldfold import folded_padding, over_memory, padded_batch as _padding
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.heldlengths import by_lengths
+from maskcli.checks.heldscript import script_padding
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.registry import Rule
 from maskcli.checks.tiled import batch_part
@@ -183,6 +184,7 @@ def held_padding(run: Run) -> list:
               and over_memory(call)]
     for call in [*run.calls, *run.cross, *square, *handed]:  # (a softmax that masks nothing: its mask may be the one never handed on)
         helds = keys_of(run, call, square, readings)  # (a key mask expanded over the cells read; the memory's padding left out)
+        helds = [*(helds or ()), *script_padding(call, _at_one_id)]  # (a script's own mask the ids agree with: heldscript.py)
         if not helds or call.stored is None or batch_part(call):
             continue  # (a chunk of a larger batch: the padding held for the batch is not its rows', tiled.py)
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]

@@ -52,7 +52,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "latefix", "singleton", "fillleak", "layerwindow", "jointpad", "convpad", "convleft", "mediarows", "rowsonqueries", "padtail", "queriesonbatch",
            "blockpad", "prefixloss", "targetmap", "relbias", "relindex", "swinedit", "groups",
            "hiddenreal", "blocksteps", "heldtree", "contextlater",
-           "stalled", "causalnone", "onesided", "topk", "aloneplaces", "evictbudget", "pooledaxis", "continued", "absentinput", "placedpads",
+           "stalled", "repeated", "causalnone", "onesided", "topk", "aloneplaces", "evictbudget", "pooledaxis", "continued", "absentinput", "placedpads",
            "regrouped", "pooledpad", "pooledat", "maskmean")
 
 

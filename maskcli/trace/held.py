@@ -79,9 +79,9 @@ def names(code):
         _SKIP = _skipped()
     found = _NAMES.get(code)
     if found is None and code.co_name == "<module>" and not code.co_filename.startswith((*_SKIP, "<")):
-        # a script's top level: its globals named as the batch's lengths or its padding mask (a module's other names,
-        # `mask` among them, say too little there)
-        found = _NAMES.put(code, tuple(n for n in code.co_names if LENGTHS.search(n) or PAD.search(n)))
+        # a script's top level: its globals named as the batch's lengths or its padding mask (a plain `mask` says
+        # too little there alone: checks/heldscript.py reads one only where the token ids held beside agree with it)
+        found = _NAMES.put(code, tuple(n for n in code.co_names if LENGTHS.search(n) or PAD.search(n) or KEEP.search(n)))
     if found is None:
         found = _NAMES.put(code, _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else
             tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
@@ -152,10 +152,12 @@ def split_top(details: dict) -> None:
     details["held_top"]: only a mask that is its exact complement is read against it (checks/turned.py); the rules that
     read a function's padding as weaker evidence read none of it (a script's globals may be another sequence's).
     Positions that go down without restarting (kind "drops"), no padding, go to details["held_positions"]
-    (checks/contextlater.py), a batch dict's lengths to details["batch_lengths"] (checks/heldlengths.py)."""
+    (checks/contextlater.py), a batch dict's lengths to details["batch_lengths"] (checks/heldlengths.py), multimodal
+    rope ids (kind "mrope") to details["held_mrope"] (checks/repeated.py)."""
     _move(details, "held_positions", lambda read: read["kind"] == "drops")
     _move(details, "batch_lengths", lambda read: read["kind"] == "batch_lengths")
     _move(details, "held_present", lambda read: read["kind"] == "present")
+    _move(details, "held_mrope", lambda read: read["kind"] == "mrope")
     _move(details, "held_top", lambda read: read.get("top"))
 
 
@@ -258,6 +260,9 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
         # relative lengths (SpeechBrain's `wav_lens`: each row's share of the padded length, the longest 1.0)
         rows = value.detach().cpu().numpy().astype(np.float64)
         return {"kind": "relative", "rows": rows} if rows.max() == 1.0 and 0 < rows.min() < 1 else None
+    if POSITIONS.search(name) and value.dim() == 3 and value.shape[0] in (3, 4) and not value.is_floating_point() \
+            and value.dtype != torch.bool and value.shape[2] > 1:  # multimodal rope ids (C, B, L): Qwen2-VL's (t, h, w)
+        return {"kind": "mrope", "rows": value.detach().cpu().numpy().astype(np.int64)}  # (checks/repeated.py)
     if POSITIONS.search(name):
         if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool or value.shape[1] < 2:
             return None
