@@ -38,8 +38,8 @@ from maskcli.trace.flex import flex as read_flex
 import maskcli.trace.entry as entry
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.patch import Watch, swap
-from maskcli.trace.overflow import WATCHED, Overflows
-from maskcli.trace.discarded import FILLS as DISCARDED, Discarded
+from maskcli.trace.overflow import WATCHED
+from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.apis import APIS, checked as checked_apis
 from maskcli.trace.heldchunks import held_chunks
 from maskcli.trace.scores import MATMULS, Scores, banded as banded_scores
@@ -83,9 +83,7 @@ class Trace(Outer, Follow):
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[entry.canonical(func)] = readers.softmax  # (the functions themselves, in a trace in a trace)
             self.scores = Scores()
-        from maskcli.trace.after import After
-        from maskcli.trace.maskmean import REDUCES, MaskMean
-        from maskcli.trace.poolrows import PoolRows
+        from maskcli.trace.maskmean import REDUCES
         from maskcli.trace.weights import Weights
 
         self.weights = Weights()  # (a softmax's weights and what is computed of them alone: weights.py)
@@ -96,16 +94,12 @@ class Trace(Outer, Follow):
             for func, name in ACTIVATIONS.items():  # (silu(q @ kᵀ): HSTU's attention, no softmax)
                 self.readers[entry.canonical(func)] = activation_reader(self.scores, self.weights, name)
 
-        self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
         self._softmax = None  # (the (call, seen) of the softmax just recorded, for the mode to follow its output)
         self.singles = Singles()  # (the lines that softmax one element, and whether over more too: singleton.py)
-        self.overflows, self.discarded = Overflows(), Discarded()  # (fills whose result was thrown away: discarded.py)
         # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
         self.watched = frozenset({*self.readers, *WATCHED, *REDUCES,
                                   *((*MATMULS, *DISCARDED) if self.scores is not None else ())})
-        self.poolrows, self.maskmean = PoolRows(), MaskMean()  # (an output read per row: poolrows.py; a mean: maskmean.py)
-        self._followed = (self.overflows._found, self.scores._found if self.scores is not None else {}, self.after._found,
-                          self.weights._found, self.poolrows._found, self.maskmean._found)
+        self._followers()  # (what the mode follows beside the scores and weights: follow.py)
         self.sites = Sites()
         self._tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._pending: list = []  # (Top, module): tops whose configs are read once the run is over (settle())

@@ -62,6 +62,23 @@ class Follow:
     ranked = None  # (the trace's Ranked, made at its first topk over scores: trace/ranked.py)
     _pooled = None  # (the trace's Pooled, made at its first softmax of no attention: trace/pooled.py)
 
+    def _followers(self) -> None:
+        """What the mode follows of a call once seen, beside the scores and a softmax's weights: softmax outputs
+        multiplied by a 0/1 mask afterwards (after.py), fills and casts that may overflow (overflow.py) or be thrown away
+        (discarded.py), a model output read per row (poolrows.py), a mask's count a mean divides by (maskmean.py); and
+        the tables of their live tensors, any of which keeps the mode on (_followed)."""
+        from maskcli.trace.after import After
+        from maskcli.trace.discarded import Discarded
+        from maskcli.trace.maskmean import MaskMean
+        from maskcli.trace.overflow import Overflows
+        from maskcli.trace.poolrows import PoolRows
+
+        self.after, self.overflows, self.discarded = After(), Overflows(), Discarded()
+        self.poolrows, self.maskmean = PoolRows(), MaskMean()
+        scores = self.scores._found if self.scores is not None else {}
+        self._followed = (self.overflows._found, scores, self.after._found, self.weights._found, self.poolrows._found,
+                          self.maskmean._found)
+
     # --- what passes, and the mode --------------------------------------------------------------
 
     def passes(self) -> bool:
