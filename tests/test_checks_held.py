@@ -912,3 +912,22 @@ def test_a_keep_mask_built_as_the_or_of_the_real_flags(tmp_path):
     found = check_bug(tmp_path, "speech_encoder_keep_mask_or_of_real_flags", "padding-unused", folder=HELD)
     lengths = (9, 5, 7)
     assert tuple(found[0]["cell"]) == first((3, 9, 9), lambda b, q, k: q < lengths[b] <= k), found[0]
+
+
+def _bidirectional_padding_seen(lengths: tuple[int, ...]):
+    """bad(b, q, k) of an unmasked encoder over right-padded rows: a real query sees a pad key, by a double loop."""
+    return lambda b, q, k: q < lengths[b] <= k
+
+
+def test_a_tokenizers_mask_never_handed_to_its_text_encoder_is_found(tmp_path):
+    """black-forest-labs/flux#507 (closed unmerged; the same change in #511 / #512; blind-ea): HFEmbedder.forward pads
+    the prompts to max_length (no row whole) and calls T5 with attention_mask=None, `batch_encoding["attention_mask"]`
+    held beside its `input_ids`. Written another way: a diffusers-style pipeline's `text_inputs` (a UserDict
+    BatchEncoding read by attribute), three prompts, a BERT encoder handed `text_inputs.input_ids` alone."""
+    found = check_bug(tmp_path, "flux_hfembedder_t5_padding_mask_not_passed", "padding-unused")
+    assert tuple(found[0]["cell"]) == first((2, 24, 24), _bidirectional_padding_seen((3, 11)))
+    assert 'batch_encoding["attention_mask"]' in found[0]["message"]
+    found = check_bug(tmp_path, "pipeline_text_inputs_mask_not_passed", "padding-unused", HELD)
+    assert tuple(found[0]["cell"]) == first((3, 16, 16), _bidirectional_padding_seen((5, 11, 3)))
+    assert 'text_inputs["attention_mask"]' in found[0]["message"]
+
