@@ -185,7 +185,8 @@ def _held_unmarked(run: Run, seen: set) -> list:
             pad = None if top is None or given is None else _pad(top.arguments)
             if pad is None or getattr(top.config, "is_encoder_decoder", False):
                 continue
-            key = (ids["rows"].tobytes(), given["rows"].tobytes(), pad)
+            key = (ids["rows"].tobytes(), given["rows"].astype(np.int64).tobytes(), pad)  # (a bool mask held: as the
+            # model call's int64 one, judged once)
             if key in seen:
                 continue  # (judged already: the model call's own ids and mask, or another call of this function)
             seen.add(key)
