@@ -32,6 +32,10 @@ BUGS = [
     # adds HF's boolean 4D mask (True = attend) to the scores, so a left-padded row attends to its pad keys
     ("transformerlens_joint_qkv_bridge_bool_4d_mask_added_as_bias", "bool-added"),
     ("eager_gqa_bool_sdpa_mask_added_right_padded", "bool-added"),  # the same bug: torch.add, GQA, right padded
+    # NUS-HPC-AI-Lab/VideoSys#116 (issue #115, commit e0f7123; blind-ea): MultiHeadCrossAttention.torch_impl fills a bool
+    # mask with -1e9 on the real T5 tokens (True == +1) and adds it: the padded keys are never masked, at a cross-attention
+    # site that masks nowhere else
+    ("opendit_stdit_cross_attention_bool_mask_adds_one_to_valid_tokens", "bool-added"),
 ]
 
 
@@ -231,3 +235,14 @@ def test_a_key_padding_mask_added_to_unfolded_bmm_scores_is_said_at_its_line(tmp
     [hit] = check_bug(tmp_path, "esm1b_key_padding_mask_added_to_folded_scores", "bool-added", folder=FILLS)
     assert "(3, 1, 1, 10)" in hit["message"], hit
     assert "esm1b_key_padding_mask_added_to_folded_scores.py:42" in hit["message"], hit
+
+
+def test_a_bool_bias_filled_on_the_pads_of_a_cross_attention_masks_nothing(tmp_path):
+    """VideoSys#116's bug (a bool tensor filled with a large negative, then added) written another way: a captioning
+    decoder's cross-attention over left-padded text, 3-D (B*H, N, L) scores, the bias `masked_fill_(~keep, -1e4)` on
+    the pads, repeated over the heads and added by torch.add; the site masks nowhere else. Its fix (the bias in the
+    scores' dtype) is quiet. The reference: torch stores -1e4 in a bool as True, and True adds 1, so a pad keeps weight."""
+    bias = torch.zeros(1, 3, dtype=torch.bool).masked_fill_(torch.tensor([[True, False, False]]), -1e4)
+    assert bias.tolist() == [[True, False, False]] and torch.softmax(torch.zeros(1, 3) + bias, -1)[0, 0] > 0
+    [hit] = check_bug(tmp_path, "audio_caption_cross_attention_bool_bias_left_padded", "bool-added", folder=FILLS)
+    assert "(12, 1, 8)" in hit["message"] and "audio_caption_cross_attention_bool_bias_left_padded.py:32" in hit["message"]

@@ -948,3 +948,22 @@ def test_prompt_tuning_wrapper_filters_out_attention_mask(tmp_path):
     the model's forward names (key_padding_mask), so the script's `attention_mask` never reaches SDPA's causal call."""
     found = check_bug(tmp_path, "prompt_tuning_wrapper_filters_out_attention_mask", "padding-unused", folder=HELD)
     assert tuple(found[0]["cell"]) == _pads_both_ends((2, 10, 10), (0, 4), 3)
+
+
+def _bidirectional_padding_seen(lengths: tuple[int, ...]):
+    """bad(b, q, k) of an unmasked encoder over right-padded rows: a real query sees a pad key, by a double loop."""
+    return lambda b, q, k: q < lengths[b] <= k
+
+
+def test_a_tokenizers_mask_never_handed_to_its_text_encoder_is_found(tmp_path):
+    """black-forest-labs/flux#507 (closed unmerged; the same change in #511 / #512; blind-ea): HFEmbedder.forward pads
+    the prompts to max_length (no row whole) and calls T5 with attention_mask=None, `batch_encoding["attention_mask"]`
+    held beside its `input_ids`. Written another way: a diffusers-style pipeline's `text_inputs` (a UserDict
+    BatchEncoding read by attribute), three prompts, a BERT encoder handed `text_inputs.input_ids` alone."""
+    found = check_bug(tmp_path, "flux_hfembedder_t5_padding_mask_not_passed", "padding-unused")
+    assert tuple(found[0]["cell"]) == first((2, 24, 24), _bidirectional_padding_seen((3, 11)))
+    assert 'batch_encoding["attention_mask"]' in found[0]["message"]
+    found = check_bug(tmp_path, "pipeline_text_inputs_mask_not_passed", "padding-unused", HELD)
+    assert tuple(found[0]["cell"]) == first((3, 16, 16), _bidirectional_padding_seen((5, 11, 3)))
+    assert 'text_inputs["attention_mask"]' in found[0]["message"]
+

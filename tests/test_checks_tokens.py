@@ -24,6 +24,19 @@ def test_left_padding_with_pad_id_zero_left_unmasked_is_found(tmp_path):
     assert "tok (_Tok) in main()" in found[0]["message"] and "left-padded" in found[0]["message"]
 
 
+def test_a_mask_carried_over_from_another_input_is_said_as_one(tmp_path):
+    # PixArt-alpha/PixArt-sigma commit d5adc75 (blind-ea): the null prompt "" (ids [</s>, pad, ...]) T5-encoded with
+    # txt_tokens.attention_mask, the last validation prompt's (15 tokens), so its pad tokens are attended
+    found = check_bug(tmp_path, "pixart_sigma_train_null_embed_encoded_with_prompt_mask", "padding-unmarked")
+    assert tuple(found[0]["cell"]) == first((1, 24, 24), lambda b, q, k: q < 1 <= k < 15)
+    assert "another input's attention_mask" in found[0]["message"]
+    # written another way: a retrieval evaluation's queries encoded by BERT with the passages' mask (11 and 10 tokens)
+    found = check_bug(tmp_path, "retrieval_queries_encoded_with_passages_mask", "padding-unmarked", folder=TOKENS)
+    real, marked = (7, 5), (11, 10)
+    assert tuple(found[0]["cell"]) == first((2, 12, 12), lambda b, q, k: q < real[b] <= k < marked[b])
+    assert "another input's attention_mask" in found[0]["message"] and "(attention calls 0-1)" in found[0]["message"]
+
+
 def test_a_preference_collators_ones_over_left_padded_ids_is_found(tmp_path):
     # PKU-Alignment/align-anything#96 (commit 9df86b9; written blind, batch blind-dm): better + worse rows left-padded
     # to 17 by the processor, the mask rebuilt as new_ones() over those ids

@@ -66,9 +66,11 @@ def overflowed(run: Run) -> list:
 
 def bool_added(run: Run) -> list:
     """A bool mask added to the scores before a softmax: True counts as 1 (torch promotes bool to the scores' dtype,
-    aten's result_type), so no cell is masked and the kept ones (or the masked ones) get 1 more."""
+    aten's result_type), so no cell is masked and the kept ones (or the masked ones) get 1 more. Read on every call,
+    the cross-attention ones and those of sites that mask nowhere too: a bool added is just what leaves a site masked
+    nowhere (VideoSys#116's text cross-attention, its bool padding mask filled with -1e9 on the real tokens)."""
     found, done = [], set()
-    for call in run.calls:
+    for call in sorted((*run.calls, *run.cross, *run.unmasked), key=lambda call: call.index):
         added = call.details.get("bool_added")
         if not added or added.get("line") in done:
             continue

@@ -177,7 +177,8 @@ def _told(picks: list) -> tuple[dict, np.ndarray]:
 def held_padding(run: Run) -> list:
     """Calls whose real queries see keys every reading of every padding the program holds there calls padding."""
     found, done = [], {}
-    square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
+    square = [call for call in run.unmasked if call.shape[2] == call.shape[3] > 1]  # (and an sdpa handed no mask at
+    # all: Flux's T5 encoder, its tokenizer's attention_mask never passed, black-forest-labs/flux#507)
     # (a softmax that masks nothing over the memory its layer was handed (`context`, `memory`: heldfold.over_memory) is
     # attention too, not a router's: OpenNMT's global attention, its context_lengths never passed)
     handed = [call for call in run.unmasked if call.api == "softmax" and not call.shape[2] == call.shape[3] > 1

@@ -48,6 +48,7 @@ import numpy as np
 
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, real_queries
+from maskcli.checks.othermask import borrowed
 from maskcli.checks.padruns import disagreeing
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
@@ -184,7 +185,8 @@ def _held_unmarked(run: Run, seen: set) -> list:
             pad = None if top is None or given is None else _pad(top.arguments)
             if pad is None or getattr(top.config, "is_encoder_decoder", False):
                 continue
-            key = (ids["rows"].tobytes(), given["rows"].tobytes(), pad)
+            key = (ids["rows"].tobytes(), given["rows"].astype(np.int64).tobytes(), pad)  # (a bool mask held: as the
+            # model call's int64 one, judged once)
             if key in seen:
                 continue  # (judged already: the model call's own ids and mask, or another call of this function)
             seen.add(key)
@@ -219,7 +221,8 @@ def _unmarked(run: Run, top, at_pad, given, pad_id: int, said: str, side) -> lis
             b, q, k = first_cell(bad)
             where = f"{side}-padded " if side else ""
             why = ("an all-ones mask made beside padded ids (ones_like the ids?)" if (given == 1).all() else
-                   "the padding was looked for on the wrong side or with the wrong id")
+                   borrowed(run, top, _ids(top.arguments), given, pad_id)
+                   or "the padding was looked for on the wrong side or with the wrong id")
             return [(call, Finding("padding-unmarked", (
                 f"batch row {b}: query {int(own[q])} sees key {k}, a token at {said} ({pad_id}) in the {where}run "
                 f"at the row's edge, which the attention_mask of {top.where} marks real ({int(bad.sum())} such cells): "

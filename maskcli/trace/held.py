@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import sysconfig
+from collections import UserDict
 
 import numpy as np
 import torch
@@ -36,7 +37,9 @@ GRAPHS = re.compile(r"^(?:batch|batch_index|batch_idx|batch_vec|node_batch|graph
 LEFT = re.compile(r"^(?:left_padding|left_pad|left_pads)$")  # each row's left padding, in keys: a batch cache's (mlx-lm)
 CACHE = re.compile(r"^(?:cache|kv_cache|past_key_values?|prompt_cache)$")  # an object that may hold `left_padding`
 HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
-BATCHES = re.compile(r"^(?:batch|inputs|data|sample|example|features|observations?|tasks?)$")  # a dict of the batch's tensors
+BATCHES = re.compile(r"^(?:batch|inputs|data|sample|example|features|observations?|tasks?)$"  # a dict of the batch's tensors
+                     r"|^(?!model_)(?:\w+_)?(?:encodings?|encoded|tokenized|inputs|tokens)$")  # (or a tokenizer's output:
+# Flux's `batch_encoding`, diffusers' `text_inputs`, a transformers BatchEncoding or a dict of the same entries)
 # (LeRobot's `batch["action_is_pad"]`): its entries named as a padding mask are read as held (not `**kwargs` nor
 # generate's `model_inputs`: a transformers forward's or generate's frame would be read at every call, for masks the
 # model call is handed anyway)
@@ -129,9 +132,9 @@ def padding(frames: list | None = None) -> list[dict] | None:
                     read = _lengths_given(name, value, code)
                     if read is not None:
                         found.append(read)
-                elif type(value) is dict and BATCHES.search(name) and id(value) not in seen:
+                elif isinstance(value, (dict, UserDict)) and BATCHES.search(name) and id(value) not in seen:
                     seen.add(id(value))
-                    batches.append((name, value))  # (read after the frame's variables: a tensor held by both is named
+                    batches.append((name, value.data if isinstance(value, UserDict) else value))  # (read after the frame's variables: a tensor held by both is named
                     # as the variable that holds it)
                 elif value is not None and (LEFT.search(name) or CACHE.search(name)):
                     read, source = _left(name, value, code)
@@ -173,7 +176,8 @@ def _move(details: dict, key: str, which) -> None:
 
 def _entries(name: str, batch: dict, code, seen: set) -> list[dict]:
     """The padding masks a dict of the batch's tensors holds under a padding mask's name (`batch["action_is_pad"]`),
-    read as a variable of that name is (a plain "mask" entry is not: a loss mask as often); a dict of more than 64
+    and its token ids (`input_ids`: a tokenizer's output, the ids that say which keys its mask pads), read as a variable
+    of that name is (a plain "mask" entry is not: a loss mask as often); a dict of more than 64
     entries is not looked through. Its integer lengths (`batch["seq_lengths"]`: a row's padding, or the documents packed
     in one row) are kind "batch_lengths", kept apart from the padding (split_top: checks/heldlengths.py)."""
     found = []
@@ -183,7 +187,7 @@ def _entries(name: str, batch: dict, code, seen: set) -> list[dict]:
             found.extend(_present(name, present, code))
         for key, value in batch.items():
             lengths = type(key) is str and LENGTHS.search(key)
-            if type(key) is str and key != "mask" and (KEEP.search(key) or PAD.search(key) or lengths) \
+            if type(key) is str and key != "mask" and (KEEP.search(key) or PAD.search(key) or lengths or IDS.search(key)) \
                     and issubclass(type(value), torch.Tensor) \
                     and id(value) not in seen:
                 seen.add(id(value))
