@@ -59,11 +59,16 @@ class Breaking:
     """A rich renderable of `text` (a rich Text) wrapped at break_points, its wrapped lines `indent` cells in; lines
     the text's own newlines start are not indented. Its narrowest width keeps every token whole."""
 
+    strip = False  # (a wrapped line's leading spaces dropped before its indent: Dotted's)
+
     def __init__(self, text, indent: int = 0):
         from rich.text import Text
 
         self.text = text if isinstance(text, Text) else Text(text)
         self.indent = indent
+
+    def breaks(self, plain: str, width: int) -> list[int]:
+        return break_points(plain, width, self.indent)
 
     def __rich_console__(self, console, options):
         from rich.segment import Segment
@@ -71,11 +76,12 @@ class Breaking:
 
         width = options.max_width
         for line in self.text.split("\n", allow_blank=True):
-            pieces = line.divide(break_points(line.plain, width, self.indent))
-            for number, piece in enumerate(pieces):
-                piece.rstrip()
+            for number, piece in enumerate(line.divide(self.breaks(line.plain, width))):
+                if number and self.strip:
+                    piece = piece[len(piece.plain) - len(piece.plain.lstrip(" ")):]
                 if number and self.indent:
                     piece = Text(" " * self.indent, end="") + piece
+                piece.rstrip()
                 piece.end = ""
                 yield from piece.render(console)
                 yield Segment.line()
@@ -161,30 +167,14 @@ def dotted_breaks(line: str, width: int, indent: int = 2) -> list[int]:
     return breaks
 
 
-class Dotted:
+class Dotted(Breaking):
     """A rich renderable of `text` (a rich Text) whose lines wrap at dotted_breaks, their further lines `indent`
     cells in."""
 
+    strip = True
+
     def __init__(self, text, indent: int = 2):
-        from rich.text import Text
+        super().__init__(text, indent)
 
-        self.text = text if isinstance(text, Text) else Text(text)
-        self.indent = indent
-
-    def __rich_console__(self, console, options):
-        from rich.segment import Segment
-        from rich.text import Text
-
-        width = options.max_width
-        for line in self.text.split("\n", allow_blank=True):
-            for number, piece in enumerate(line.divide(dotted_breaks(line.plain, width, self.indent))):
-                if number:
-                    piece = piece[len(piece.plain) - len(piece.plain.lstrip(" ")):]
-                    piece = Text(" " * self.indent, end="") + piece
-                piece.rstrip()
-                piece.end = ""
-                yield from piece.render(console)
-                yield Segment.line()
-
-    def __rich_measure__(self, console, options):
-        return Breaking(self.text, self.indent).__rich_measure__(console, options)
+    def breaks(self, plain: str, width: int) -> list[int]:
+        return dotted_breaks(plain, width, self.indent)
