@@ -3,9 +3,10 @@
 `x.sum(dim) / mask.sum(-1)` is a masked mean: the divisor counts each row's real positions (the 0/1 mask the program
 holds), so the sum must run over those alone (`(x * mask).sum(dim)`, or x already 0 where the mask is). Every
 `sum` over one axis is looked at as it runs (entry.py's REDUCE wrapper): a 2-D 0/1 integer or bool tensor with a 0
-in it summed over its last axis is followed (weakly) as a count of positions, through the calls that keep its
-elements (an unsqueeze, a clamp, a cast, `+ eps`); a float tensor of 2 dims or more summed over one axis other than its first, its dims not
-kept, is remembered (the last few, weakly, with what it summed). A division of such a sum by such a count, the sum's
+in it summed over its last axis is followed (weakly, until the next model call begins) as a count of positions,
+through the calls that keep its elements (an unsqueeze, a clamp, a cast, `+ eps`); a float tensor of 2 dims or more
+summed over one axis other than its first, its dims not kept, is remembered (the last few, weakly, with what it
+summed). A division of such a sum by such a count, the sum's
 first axis the mask's rows and its summed axis as long as the mask's positions, where the summed tensor is not 0 at
 some position the mask leaves out of its row's count, is recorded on the last attention call made
 (details `masked_mean`: checks/maskmean.py says it). rerankers#75: ColBERT's MaxSim summed over every query token,
@@ -57,6 +58,13 @@ class MaskMean:
                 self._kept(args, kwargs, out)
         except (Exception, SystemExit):  # noqa: BLE001 - what the other followers read of this call is read still
             pass
+
+    def forget(self) -> None:
+        """An outermost model call begins: the counts made before it are followed no longer. A masked mean divides by a
+        count made after the model ran (its output pooled); a count held across calls (`lengths = mask.sum(1)` before
+        a loop) would keep the mode on, every torch call of the program dispatched, for as long as it lived."""
+        if self._found:
+            self._found.clear()
 
     def _kept(self, args: tuple, kwargs: dict, out) -> None:
         """A count followed on through a call that keeps its elements (no other tensor in it)."""

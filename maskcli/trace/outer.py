@@ -50,6 +50,7 @@ class Outer:
             return
         if held is not None:
             self._finish(held)
+        self.maskmean.forget()  # (a new model call: the counts made before it, let go)
         if id(module) not in self._frames and not (id(module) in self._stated and self._stated[id(module)][0] is module):
             from maskcli.trace.stated import frames
 
@@ -101,6 +102,7 @@ class Outer:
         return found
 
     def _outer_pre(self, module, args) -> None:
+        self.maskmean.forget()
         held = self._local.outer
         if held is not None and held[1] is module:  # its previous call ended without the hook (or a call inside it)
             with self._lock:
