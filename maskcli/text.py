@@ -27,21 +27,16 @@ class Finding:
     step: int | None = None  # the step of a run or of step files it is about
 
 
-def spans(values: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    parts: list[str] = []
-    start = prev = None
-    for value in values:
-        if start is None:
-            start = prev = value
-        elif value == prev + 1:
-            prev = value
-        else:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = value
-    if start is not None:
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ", ".join(parts)
+def spans(values) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5' (a list or an integer array: runs found by numpy, not a loop per value)."""
+    import numpy as np
+
+    keys = np.asarray(values, dtype=np.int64).ravel()
+    if not keys.size:
+        return ""
+    breaks = np.flatnonzero(np.diff(keys) != 1)
+    starts, ends = keys[np.r_[0, breaks + 1]], keys[np.r_[breaks, keys.size - 1]]
+    return ", ".join(f"{s}-{e}" if e != s else f"{s}" for s, e in zip(starts.tolist(), ends.tolist()))
 
 
 def plane_text(b: int, h: int, shape) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, cross, keep
 from maskcli.checks.registry import Rule
-from maskcli.text import Finding
+from maskcli.text import Finding, spans
 
 
 def hides_none(cells: np.ndarray, present: np.ndarray) -> tuple[int, np.ndarray] | None:
@@ -32,13 +32,6 @@ def hides_none(cells: np.ndarray, present: np.ndarray) -> tuple[int, np.ndarray]
         if seen[a][common].all():
             return int(a), np.flatnonzero(common)
     return None
-
-
-def _spans(keys: np.ndarray) -> str:
-    """Sorted key indices as runs: `0-4, 7`."""
-    breaks = np.flatnonzero(np.diff(keys) != 1)
-    starts, ends = keys[np.r_[0, breaks + 1]], keys[np.r_[breaks, keys.size - 1]]
-    return ", ".join(f"{s}-{e}" if e > s else f"{s}" for s, e in zip(starts.tolist(), ends.tolist()))
 
 
 def absent_input_attended(run: Run) -> list:
@@ -71,7 +64,7 @@ def absent_input_attended(run: Run) -> list:
             present = f"row{'s' if rows_held.size > 1 else ''} {', '.join(str(r) for r in rows_held)}"
             done[key] = Finding("absent-input-attended", (
                 f"batch row {a} sees every key the rows holding {what} ({present}) see ({common.size} keys, "
-                f"{_spans(common)}), though {source} says row {a} lacks {what}: its queries see the tokens of an "
+                f"{spans(common)}), though {source} says row {a} lacks {what}: its queries see the tokens of an "
                 f"input it does not have — the pad mask of {what}'s tokens not built from pad_mask_dict?"),
                 expected=f"row {a} hides the tokens of {what}", source=source)
             found.append((call, done[key]))

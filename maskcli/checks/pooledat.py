@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.absentinput import _spans
 from maskcli.checks.context import Run
 from maskcli.checks.registry import Rule
-from maskcli.text import Finding
+from maskcli.text import Finding, spans
 
 
 def padding_pooled(run: Run) -> list:
@@ -41,9 +40,9 @@ def padding_pooled(run: Run) -> list:
             others = f" (and row{'s' if len(bad) > 2 else ''} {', '.join(str(b[0]) for b in bad[1:])})" if len(bad) > 1 else ""
             found.append((calls[-1], Finding("pooled-at-padding", (
                 f"batch row {r}{others} of {top.where}'s output is pooled at position {p} by {read['how']}, a padding "
-                f"position of the attention_mask it was called with (row {r}'s tokens: {_spans(tokens)}, padded on the "
+                f"position of the attention_mask it was called with (row {r}'s tokens: {spans(tokens)}, padded on the "
                 f"{side}): the row's embedding is a pad token's — a last-token index counting the other padding side?"),
-                expected=f"row {r} pooled at one of its tokens {_spans(tokens)}",
+                expected=f"row {r} pooled at one of its tokens {spans(tokens)}",
                 source=f"attention_mask of {top.where}", cell=(r, p, p))))
             break
     return found
