@@ -21,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, keep
-from maskcli.checks.gatheredrows import gathered_rows
 from maskcli.checks.registry import Rule
 from maskcli.checks.topk import reading
 from maskcli.text import Finding
@@ -43,8 +42,7 @@ def per_head(run: Run) -> list:
     for call in run.calls:
         planes = (call.stored or {}).get("planes")
         if planes is None or planes[1] < 2 or call.shape[0] < 2 or call.details.get("scores_hide") \
-                or "topk" in call.details and reading(call) or gathered_rows(call):  # (a sparse top-k's mask differs by
-            # head on purpose; so do the queries a ProbSparse attention gathered: gatheredrows.py)
+                or "topk" in call.details and reading(call):  # (a sparse top-k's mask differs by head on purpose)
             continue  # (one head plane: read off the stored mask's planes, before its cells are made)
         cells = keep(call)
         if cells is None:
