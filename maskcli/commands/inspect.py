@@ -153,7 +153,7 @@ def _print_report(analysis, report: dict, mask) -> None:
     how = {"values": "", "structure": "", "guess": " (a guess)", "cannot tell": " (cannot tell)"}[convention.how]
     lines.append(hanging(Text("convention: ", style="bold"), Text.assemble((f"{convention.name}{how}", "bold"), f" — {convention.note}")))
     if structure.expression is not None:
-        lines.append(_Rebuilt(Text.assemble(("structure: ", "bold"), (structure.expression, "bold")), structure.command))
+        lines.append(_rebuilt(Text.assemble(("structure: ", "bold"), (structure.expression, "bold")), structure.command))
         if structure.note:
             lines.append(hanging("  ", Text(structure.note, style="dim")))
         if structure.also:
@@ -176,25 +176,19 @@ def _print_report(analysis, report: dict, mask) -> None:
         console.print(view)
 
 
-class _Rebuilt:
+def _rebuilt(head, command: str):
     """'structure: EXPR — rebuild it with: COMMAND' on one line where it fits; else the command on a line of its own
     under the structure, whole where it fits (wrapped after 'rebuild it with:', it broke in the middle of the command)."""
+    from rich.cells import cell_len
+    from rich.text import Text
 
-    def __init__(self, head, command: str):
-        self.head, self.command = head, command
+    from maskcli.render import hanging
+    from maskcli.render.breaking import FirstThatFits
 
-    def __rich_console__(self, console, options):
-        from rich.cells import cell_len
-        from rich.text import Text
-
-        from maskcli.render import hanging
-
-        line = Text.assemble(self.head, f" — rebuild it with: {self.command}")
-        if cell_len(line.plain) <= options.max_width:
-            yield line
-            return
-        yield hanging(Text("structure: ", style="bold"), self.head[len("structure: "):])
-        yield hanging("  rebuild it with: ", Text(self.command))  # a command wider than its room wraps under itself
+    line = Text.assemble(head, f" — rebuild it with: {command}")
+    apart = [hanging(Text("structure: ", style="bold"), head[len("structure: "):]),
+             hanging("  rebuild it with: ", Text(command))]  # (a command wider than its room wraps under itself)
+    return FirstThatFits((cell_len(line.plain), [line]), (0, apart))
 
 
 @app.command(

@@ -84,30 +84,21 @@ def kinds(
             sizes = "; or sizes=[3,5] / --sizes 3,5" if param.sizes else ""
             line.append(f"{param.help}{default}{sizes}")
             body.append(Breaking(line, indent=2))  # its wrapped lines under its text, not taken for the next parameter
-        body.append(_Example(example_command(kind)))
+        body.append(_example(example_command(kind)))
         # a wrapped head stands in, under the name: at column 0 it read as the next kind
         blocks += [Breaking(head, indent=4), Padding(Group(*body), (0, 0, 1, 2))]
     make_console(highlight=False).print(Group(*blocks))
 
 
-class _Example:
+def _example(command: str):
     """'example: COMMAND' on one line; where that does not fit, the command whole on a line of its own, so that it
     copies as one (wrapped, it broke inside its quoted expression); only a command wider than any line wraps."""
+    from rich.cells import cell_len
+    from rich.text import Text
 
-    def __init__(self, command: str):
-        self.command = command
+    from maskcli.render.breaking import Breaking, FirstThatFits
 
-    def __rich_console__(self, console, options):
-        from rich.cells import cell_len
-        from rich.text import Text
-
-        from maskcli.render.breaking import Breaking
-
-        lead = Text("example: ", style="dim")
-        if cell_len(lead.plain + self.command) <= options.max_width:
-            yield lead + Text(self.command)
-        elif cell_len(self.command) <= options.max_width:
-            yield Text("example:", style="dim")
-            yield Text(self.command)
-        else:
-            yield Breaking(lead + Text(self.command), indent=2)
+    lead = Text("example: ", style="dim")
+    return FirstThatFits((cell_len(lead.plain + command), [lead + Text(command)]),
+                         (cell_len(command), [Text("example:", style="dim"), Text(command)]),
+                         (0, [Breaking(lead + Text(command), indent=2)]))

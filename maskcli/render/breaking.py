@@ -178,3 +178,18 @@ class Dotted(Breaking):
 
     def breaks(self, plain: str, width: int) -> list[int]:
         return dotted_breaks(plain, width, self.indent)
+
+
+class FirstThatFits:
+    """The renderables of the first of `choices`, each (the cells it needs on one line, its renderables), that fits the
+    line; a need of 0 always fits (the last resort). A command is shown whole after its lead where both fit, on a line
+    of its own where it alone fits, and wraps only where it is wider than any line (inspect's rebuild, kinds' example)."""
+
+    def __init__(self, *choices: tuple[int, list]):
+        self.choices = choices
+
+    def __rich_console__(self, console, options):
+        for needed, shown in self.choices:
+            if needed <= options.max_width:
+                break
+        yield from shown
