@@ -33,7 +33,7 @@ from maskcli.trace.outer import Outer
 import maskcli.trace.flash as flash
 import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
-import maskcli.trace.slotwrites as slotwrites
+import maskcli.trace.keyreads as keyreads
 import maskcli.trace.vllm as vllm_capture
 from maskcli.trace.flex import flex as read_flex
 import maskcli.trace.entry as entry
@@ -238,7 +238,7 @@ class Trace(Outer, Follow):
             self._undo.pop()()
         self._swapped.clear()
         self._cache.clear()
-        slotwrites.forget()  # (buffer addresses are this trace's: the next one's may be freed and made again)
+        keyreads.forget()  # (buffer addresses and keys read are this trace's: the next one's may be freed and made again)
         if self._pending:  # (the names the pending tops' configs are read by: settle())
             self._names = dict(self.sites._names)
         self.sites.clear()
