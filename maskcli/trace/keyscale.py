@@ -54,11 +54,13 @@ def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
         total = np.sqrt((norms ** 2).sum(axis=1))
         usable = total > 1e-6
         directions = np.round(norms[usable] / total[usable, None], DIGITS) + 0.0  # (+ 0.0: no -0.0 of its own bytes)
+        varied = np.ptp(directions, axis=1) > 10 ** -DIGITS  # (pairs all alike, `ones`: any such row is any other)
+        directions, totals = directions[varied], total[usable][varied]
         keys = [row.tobytes() for row in directions]
-        ratios = [total_now / held[0] for key, total_now in zip(keys, total[usable])
-                  if (held := table.get(key)) is not None and held[1] != serial]
-        found = found or _scaled(ratios, int(rows.shape[0]))
-        for key, norm in zip(keys, total[usable]):
+        back = [(key, total_now / held[0]) for key, total_now in zip(keys, totals)
+                if (held := table.get(key)) is not None and held[1] != serial]
+        found = found or _scaled(back, int(rows.shape[0]))
+        for key, norm in zip(keys, totals):
             table[key] = (norm, serial)
         added.append(keys)
     _forget(serial, added)
@@ -72,11 +74,13 @@ def forget() -> None:
     _ADDED.clear()
 
 
-def _scaled(ratios: list, rows: int) -> dict | None:
-    """The factor the rows that came back scaled share, where two or more did and it is one; else None."""
-    ratios = np.asarray(ratios, dtype=np.float64)
-    off = ratios[np.abs(ratios - 1) > SCALED]
-    if off.size < 2 or np.abs(off - off[0]).max() > TOLERANCE * off[0]:
+def _scaled(back: list, rows: int) -> dict | None:
+    """The factor the rows that came back scaled (direction, ratio) share, where two or more of other directions did
+    and it is one; else None."""
+    ratios = np.asarray([ratio for _, ratio in back], dtype=np.float64)
+    scaled = np.abs(ratios - 1) > SCALED
+    off = ratios[scaled]
+    if len({key for (key, _), out in zip(back, scaled) if out}) < 2 or np.abs(off - off[0]).max() > TOLERANCE * off[0]:
         return None
     return {"factor": round(float(off.mean()), 4), "keys": int(off.size), "found": int(ratios.size), "of": rows}
 
