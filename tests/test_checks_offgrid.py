@@ -25,7 +25,7 @@ def test_longlm_selfextend_group_query_position_true_division(tmp_path):
 def test_selfextend_padded_batch_group_shift_written_another_way(tmp_path):
     """The same bug in a plain-torch block over a left-padded batch (positions from the mask's cumsum, `group_pos`):
     window 6, group 4 puts the grouped queries 0.5 off the grid."""
-    [hit] = check_bug(tmp_path, "selfextend_mistral_padded_sdpa_group_shift", "positions-off-grid", OFFGRID)
+    [hit] = check_bug(tmp_path, "selfextend_padded_eager_group_shift", "positions-off-grid", OFFGRID)
     assert f"every one {(6 - 6 / 4) % 1:g} off the integer grid" in hit["message"]
 
 
