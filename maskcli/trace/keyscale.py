@@ -24,7 +24,7 @@ from collections import deque
 import numpy as np
 import torch
 
-ROWS = 4096  # key rows (B x H x L) read at most per call
+ROWS = 1024  # key rows (B x H x L) read at most per call
 KEPT = 16  # calls whose key rows are kept to be found again
 DIGITS = 3  # decimals of a row's direction within its pairs (its lookup key)
 TOLERANCE = 1e-4  # relative spread of one factor (float32 rotations keep norms to ~1e-6)
@@ -43,23 +43,23 @@ def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
     try:
         if not k.is_cpu or type(k) is not torch.Tensor or k.dtype not in (torch.float32, torch.float64):
             return {}
-        rows = k.detach().reshape(-1, k_shape[-1]).double().numpy()
+        squares = np.square(k.detach().reshape(-1, k_shape[-1]).numpy())
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states no key
         return {}
     _SERIAL[0] += 1
     serial, half = _SERIAL[0], k_shape[-1] // 2
+    total = np.sqrt(squares.sum(axis=1, dtype=np.float64))
+    usable = total > 1e-6
     added, found = [], None
-    for table, pairs in zip(_TABLES, ((rows[:, :half], rows[:, half:]), (rows[:, 0::2], rows[:, 1::2]))):
-        norms = np.sqrt(pairs[0] ** 2 + pairs[1] ** 2)
-        total = np.sqrt((norms ** 2).sum(axis=1))
-        usable = total > 1e-6
+    for table, pairs in zip(_TABLES, ((squares[:, :half], squares[:, half:]), (squares[:, 0::2], squares[:, 1::2]))):
+        norms = np.sqrt(pairs[0] + pairs[1])
         directions = np.round(norms[usable] / total[usable, None], DIGITS) + 0.0  # (+ 0.0: no -0.0 of its own bytes)
         varied = np.ptp(directions, axis=1) > 10 ** -DIGITS  # (pairs all alike, `ones`: any such row is any other)
         directions, totals = directions[varied], total[usable][varied]
         keys = [row.tobytes() for row in directions]
         back = [(key, total_now / held[0]) for key, total_now in zip(keys, totals)
                 if (held := table.get(key)) is not None and held[1] != serial]
-        found = found or _scaled(back, int(rows.shape[0]))
+        found = found or _scaled(back, int(squares.shape[0]))
         for key, norm in zip(keys, totals):
             table[key] = (norm, serial)
         added.append(keys)
