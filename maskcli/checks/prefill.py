@@ -63,6 +63,8 @@ def runs(run: Run, calls: list) -> list[list]:
             continues = False  # the same queries again, the earlier mask kept (a draft's test-time steps): no chunk
         if keys is not None and siblings(call, own, keys):
             keys = None  # queries that see none of each other: a draft tree's depth of siblings (tree.py), no chunk
+        if keys is not None and continues and _compressed(run, current[-1][0], call, own):
+            keys = None  # a cache that kept some of the earlier keys, no window said: its columns are no positions
         if keys is not None and continues:
             current.append((call, own, keys))
             continue
@@ -70,6 +72,19 @@ def runs(run: Run, calls: list) -> list[list]:
             found.append(current)
         current = [(call, own, keys)] if keys is not None and own[0] == 0 else []
     return found + ([current] if len(current) > 1 else [])
+
+
+def _compressed(run: Run, before, call, own: np.ndarray) -> bool:
+    """Whether `call` holds fewer earlier keys than its site's call `before` had, yet some (a cache compressed between
+    steps: kvpress' presses, SnapKV's selection), where neither the config nor `before`'s rows state a window: which
+    positions the kept columns hold the mask does not say (a chunk of its own keys alone, a ring under a window, are
+    read as before)."""
+    held = call.shape[3] - call.shape[2]
+    if call.shape[3] > own[-1] or not 0 < held < before.shape[3]:
+        return False
+    kind = layer_kind(run.config(before), _index(before, run.config(before)))
+    cells = keep(before)
+    return (kind is None or kind[0] == "full_attention") and cells is not None and _window(cells.any(axis=1)) is None
 
 
 def _handed(call):

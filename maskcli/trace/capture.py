@@ -25,6 +25,7 @@ import maskcli.trace.calledflag as calledflag
 import maskcli.trace.askedcausal as askedcausal
 import maskcli.trace.padfill as padfill
 import maskcli.trace.namedmasks as namedmasks
+import maskcli.trace.offgrid as offgrid
 import maskcli.trace.convpad as convpad
 from maskcli.trace.masks import Call, Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced, said as _said
@@ -32,7 +33,7 @@ from maskcli.trace.outer import Outer
 import maskcli.trace.flash as flash
 import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
-import maskcli.trace.slotwrites as slotwrites
+import maskcli.trace.keyreads as keyreads
 import maskcli.trace.vllm as vllm_capture
 from maskcli.trace.flex import flex as read_flex
 import maskcli.trace.entry as entry
@@ -237,7 +238,7 @@ class Trace(Outer, Follow):
             self._undo.pop()()
         self._swapped.clear()
         self._cache.clear()
-        slotwrites.forget()  # (buffer addresses are this trace's: the next one's may be freed and made again)
+        keyreads.forget()  # (buffer addresses and keys read are this trace's: the next one's may be freed and made again)
         if self._pending:  # (the names the pending tops' configs are read by: settle())
             self._names = dict(self.sites._names)
         self.sites.clear()
@@ -349,8 +350,8 @@ class Trace(Outer, Follow):
             guarded(queried.note, seen.details, self.sites.stack, seen.api, seen.shape)  # (the layer's queries, heads)
             guarded(calledflag.note, seen.details, self.sites.stack, self.sites.walked, seen.shape)  # (a helper's causal=)
             guarded(askedcausal.note, seen.details, self.sites.stack, self.sites.walked)  # (mask="subsequent" per call)
-            guarded(padfill.note, seen.details, self.sites.walked)  # (padding flags that hold the mask's fill)
-            guarded(namedmasks.note, seen.details, self.sites.walked)  # (token masks handed as `x_mask`: queryaxis.py)
+            for note in (padfill.note, namedmasks.note, offgrid.note):  # (padding flags that hold the mask's fill;
+                guarded(note, seen.details, self.sites.walked)  # token masks handed as `x_mask`; rope positions off grid)
             chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
             if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
                 seen.details["held_chunks"] = chunks

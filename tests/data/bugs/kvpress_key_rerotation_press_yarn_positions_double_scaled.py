@@ -149,7 +149,10 @@ class LlamaAttention(nn.Module):
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k, v = past_key_value.update(k, v, self.layer_idx)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=n > 1, enable_gqa=True)
+        # (the question's queries are the last n of the keys: a mask aligned bottom-right, as transformers' sdpa path
+        # builds one over a cache; the blind draft's `is_causal=n > 1` was top-left there, a bug of its own, not kvpress')
+        mask = torch.ones(n, k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - n)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), None
 
 

@@ -1,0 +1,54 @@
+"""checks/keyscale.py: cached keys an earlier call read come back with every rotary pair's norm times one factor (a
+move that was no rotation); against YaRN's attention factor and torch's own rotations."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from checkbugs import check_bug
+from maskcli.trace import keyscale
+
+KEYSCALE = Path(__file__).parent / "data" / "keyscale"
+YARN_SQUARED = (0.1 * math.log(4.0) + 1.0) ** 2  # YaRN's attention factor for a scale of 4, applied twice
+
+
+def _factor(message: str) -> float:
+    return float(re.search(r"every pair's norm times ([0-9.]+)", message).group(1))
+
+
+def test_kvpress_key_rerotation_press_yarn_positions_double_scaled(tmp_path):
+    """NVIDIA/kvpress#85 (written blind, batch blind-ec): KeyRerotationPress un-rotates and re-rotates the kept keys
+    with the layer's position_embeddings, whose cos/sin carry YaRN's attention_scaling, so the kept keys come back
+    scaled by attention_scaling²; the fix rotates by the position delta from inv_freq alone. (The draft's question
+    step, `is_causal` over a cache, aligned top-left, was a bug of its own: masked bottom-right since.)"""
+    [hit, *_] = check_bug(tmp_path, "kvpress_key_rerotation_press_yarn_positions_double_scaled", "keys-rescaled")
+    assert abs(_factor(hit["message"]) - YARN_SQUARED) < 1e-3
+
+
+def test_sink_cache_shift_with_scaled_freqs_cis_written_another_way(tmp_path):
+    """The same bug in a StreamingLLM-style sink cache: complex freqs_cis (interleaved pairs) carrying mscale, the
+    kept keys shifted by `freqs_cis[new] * freqs_cis[old].conj()`, a batch of 2 decoded token by token."""
+    [hit, *_] = check_bug(tmp_path, "sink_cache_shift_complex_rope_mscale", "keys-rescaled", KEYSCALE)
+    assert abs(_factor(hit["message"]) - YARN_SQUARED) < 1e-3
+
+
+def test_rotated_keys_are_quiet_and_scaled_ones_are_found():
+    """Keys turned pair by pair (rotate_half's pairing) come back unscaled; the same turned and times 1.5 come back
+    with that factor; a new trace finds none of the last one's keys."""
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 6, 16)
+    angle = torch.rand(8)
+    cos, sin = torch.cat((angle, angle)).cos(), torch.cat((angle, angle)).sin()
+    turned = keys * cos + torch.cat((-keys[..., 8:], keys[..., :8]), -1) * sin
+    keyscale.forget()
+    assert keyscale.keys_rescaled(keys, tuple(keys.shape)) == {}
+    assert keyscale.keys_rescaled(turned, tuple(turned.shape)) == {}
+    found = keyscale.keys_rescaled(turned * 1.5, tuple(turned.shape))["keys_rescaled"]
+    assert found["factor"] == 1.5 and found["keys"] == 12 and found["of"] == 12
+    keyscale.forget()
+    assert keyscale.keys_rescaled(turned * 2, tuple(turned.shape)) == {}
+    keyscale.forget()
