@@ -30,14 +30,15 @@ DIGITS = 3  # decimals of a row's direction within its pairs (its lookup key)
 TOLERANCE = 1e-4  # relative spread of one factor (float32 rotations keep norms to ~1e-6)
 SCALED = 1e-3  # a factor this far from 1 or further is a scaling
 
-_TABLES: tuple[dict, dict] = ({}, {})  # per pairing ("half", "interleaved"): direction bytes -> (norm, call serial)
-_ADDED: deque = deque()  # (serial, the direction bytes it added to each table)
-_SERIAL = [0]
+_HELD: tuple[deque, deque] = (deque(), deque())  # per pairing ("half", "interleaved"), the last KEPT calls' rows:
+# (their directions' hashes sorted, each one's norm), newest last
+_MULTIPLIERS: dict[int, np.ndarray] = {}  # a direction's length -> the odd int64 weights that hash it
 
 
 def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
     """{"keys_rescaled": {...}} where keys of earlier calls come back scaled by one factor, else {}; this call's key
-    rows are kept to be found again."""
+    rows are kept to be found again. (Each row's direction is hashed to one int64 and looked up with numpy: a Python
+    lookup a row cost milliseconds a call at ROWS rows.)"""
     if len(k_shape) != 4 or k_shape[-1] % 2 or k_shape[-1] < 8 or k_shape[0] * k_shape[1] * k_shape[2] > ROWS:
         return {}
     try:
@@ -46,52 +47,58 @@ def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
         squares = np.square(k.detach().reshape(-1, k_shape[-1]).numpy())
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states no key
         return {}
-    _SERIAL[0] += 1
-    serial, half = _SERIAL[0], k_shape[-1] // 2
+    half = k_shape[-1] // 2
     total = np.sqrt(squares.sum(axis=1, dtype=np.float64))
     usable = total > 1e-6
-    added, found = [], None
-    for table, pairs in zip(_TABLES, ((squares[:, :half], squares[:, half:]), (squares[:, 0::2], squares[:, 1::2]))):
+    found = None
+    for held, pairs in zip(_HELD, ((squares[:, :half], squares[:, half:]), (squares[:, 0::2], squares[:, 1::2]))):
         norms = np.sqrt(pairs[0] + pairs[1])
-        directions = np.round(norms[usable] / total[usable, None], DIGITS) + 0.0  # (+ 0.0: no -0.0 of its own bytes)
-        varied = np.ptp(directions, axis=1) > 10 ** -DIGITS  # (pairs all alike, `ones`: any such row is any other)
-        directions, totals = directions[varied], total[usable][varied]
-        keys = [row.tobytes() for row in directions]
-        back = [(key, total_now / held[0]) for key, total_now in zip(keys, totals)
-                if (held := table.get(key)) is not None and held[1] != serial]
-        found = found or _scaled(back, int(squares.shape[0]))
-        for key, norm in zip(keys, totals):
-            table[key] = (norm, serial)
-        added.append(keys)
-    _forget(serial, added)
+        directions = np.rint(norms[usable] / total[usable, None] * 10 ** DIGITS).astype(np.int64)  # (DIGITS decimals)
+        varied = np.ptp(directions, axis=1) > 1  # (pairs all alike, `ones`: any such row is any other)
+        hashes = (directions[varied] * _weights(half)).sum(axis=1)  # (int64 wraps: a hash, not a sum)
+        totals = total[usable][varied]
+        ratios, keys = _back(held, hashes, totals)
+        found = found or _scaled(keys, ratios, int(squares.shape[0]))
+        order = np.argsort(hashes, kind="stable")
+        held.append((hashes[order], totals[order]))
+        if len(held) > KEPT:
+            held.popleft()
     return {"keys_rescaled": found} if found else {}
+
+
+def _weights(length: int) -> np.ndarray:
+    weights = _MULTIPLIERS.get(length)
+    if weights is None:
+        weights = _MULTIPLIERS[length] = np.random.default_rng(length).integers(1, 1 << 62, size=length, dtype=np.int64) | 1
+    return weights
+
+
+def _back(held: deque, hashes: np.ndarray, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ratio of each row found to its norm when last read, its hash) for this call's rows an earlier kept call read
+    (the newest that did)."""
+    ratio = np.full(hashes.shape, np.nan)
+    todo = np.ones(hashes.shape, bool)
+    for before, norms in reversed(held):
+        if not before.size or not todo.any():
+            continue
+        at = np.minimum(np.searchsorted(before, hashes), before.size - 1)
+        hit = todo & (before[at] == hashes)
+        ratio[hit] = totals[hit] / norms[at[hit]]
+        todo &= ~hit
+    return ratio[~todo], hashes[~todo]
 
 
 def forget() -> None:
     """A trace ended: its keys let go (another trace's keys, the same program --fixed, must find none of them)."""
-    for table in _TABLES:
-        table.clear()
-    _ADDED.clear()
+    for held in _HELD:
+        held.clear()
 
 
-def _scaled(back: list, rows: int) -> dict | None:
-    """The factor the rows that came back scaled (direction, ratio) share, where two or more of other directions did
-    and it is one; else None."""
-    ratios = np.asarray([ratio for _, ratio in back], dtype=np.float64)
+def _scaled(keys: np.ndarray, ratios: np.ndarray, rows: int) -> dict | None:
+    """The factor the rows that came back scaled (their hashes, ratios) share, where two or more of other directions
+    did and it is one; else None."""
     scaled = np.abs(ratios - 1) > SCALED
-    off = ratios[scaled]
-    if len({key for (key, _), out in zip(back, scaled) if out}) < 2 or np.abs(off - off[0]).max() > TOLERANCE * off[0]:
+    off, directions = ratios[scaled], keys[scaled]
+    if not (directions != directions[:1]).any() or np.abs(off - off[0]).max() > TOLERANCE * off[0]:
         return None
     return {"factor": round(float(off.mean()), 4), "keys": int(off.size), "found": int(ratios.size), "of": rows}
-
-
-def _forget(serial: int, added: list) -> None:
-    """This call's rows kept; those of the call KEPT calls back dropped (where no later call wrote them again)."""
-    _ADDED.append((serial, added))
-    while len(_ADDED) > KEPT:
-        old, keys = _ADDED.popleft()
-        for table, rows in zip(_TABLES, keys):
-            for key in rows:
-                held = table.get(key)
-                if held is not None and held[1] == old:
-                    del table[key]
