@@ -200,3 +200,40 @@ def test_scores_that_hide_cells_of_their_own_say_nothing_of_padding(monkeypatch)
     call.details = {"additive": True, "scores_hide": 1.6e5}
     monkeypatch.setattr(heads, "keep", lambda c: c.cells)
     assert heads.per_head(Run([call], [], [])) == []
+
+
+def test_one_mask_row_over_more_keys_than_unplaced_queries_places_no_query_among_them(monkeypatch):
+    """A mask of one row for every query (mask_rows 1) over more keys than queries, where nothing the run states places
+    the queries: no key is known to be its query's own, so the keys heads hide differently say nothing of padding
+    (kvpress's AdaKV: each head prunes its own keys and the question's queries attend the pruned cache). The same cells
+    with the queries placed at the last keys (maskcli's `model`, details["queries"]) are found, at the first (row, key)
+    a loop over rows, heads and the placed queries' keys finds hidden by one head and shown by another."""
+    rows, heads_, q_len, k_len = 2, 3, 2, 6
+    hidden = {(0, 1): [4, 5], (1, 2): [1, 5]}  # (row, head) -> the keys that head pruned
+    cells = np.ones((rows, heads_, q_len, k_len), dtype=bool)
+    for (b, h), keys in hidden.items():
+        cells[b, h, :, keys] = False
+    monkeypatch.setattr(heads, "keep", lambda c: c.cells)
+
+    def found(details):
+        call = _Call(cells)
+        call.details = details
+        return heads.per_head(Run([call], [], []))
+
+    assert found({"mask_rows": 1}) == []
+    (_, hit), = found({"mask_rows": 1, "queries": (k_len - q_len, k_len)})
+    own = range(k_len - q_len, k_len)
+    odd = next((b, k) for b in range(rows) for k in own for h in range(heads_)
+               if not cells[b, h, :, k].any() and cells[b, :, :, k].any())
+    assert hit.code == "padding-per-head" and hit.cell == (odd[0], odd[1], odd[1])
+    assert len(found({})) == 1  # (rows of their own: the mask places its queries as it is read today)
+
+
+def test_per_head_pruned_prefix_and_global_column_attention_are_quiet(tmp_path):
+    """Two correct programs the rule called padding-per-head before (tests/data/quiet): AdaKV's budget over KeyDiff
+    scores, a question chunk attending the pruned prefix by a per-head keep mask and merged with its own keys by the
+    log-sum-exp (the queries are no keys of that call); AlphaFold 2's GlobalAttention over a padded MSA, one mean query
+    per head and residue column, laid (protein, column, head, sequence) by its einsums."""
+    for name in ("adakv_keydiff_cascade_prefix_keep_mask_merged_lse", "alphafold2_global_column_attention_einsum_padded_msa"):
+        status, found, report = traced(tmp_path, name, False, QUIET)
+        assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

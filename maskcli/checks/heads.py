@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, keep
+from maskcli.checks.context import Run, crossing, keep
+from maskcli.checks.placing import queries_stated
 from maskcli.checks.registry import Rule
 from maskcli.checks.topk import reading
 from maskcli.text import Finding
@@ -50,8 +51,8 @@ def per_head(run: Run) -> list:
         key = (call.mask, call.shape)
         if key in done:  # (asked first: the same key is never read twice, whatever the checks below say)
             continue
-        _, own, positions = run.placed(call)
-        if not positions:
+        top, own, positions = run.placed(call)
+        if not positions or _unplaced(call, top):
             continue
         done.add(key)
         rows, heads, q_len, k_len = call.shape
@@ -90,6 +91,18 @@ def per_head(run: Run) -> list:
             expected="every head of a batch row pads the same keys", source="the other heads of the same batch row",
             cell=(b, int(keys[0]), int(keys[0])))))  # (the key's own query, as absolute positions)
     return found
+
+
+def _unplaced(call, top) -> bool:
+    """A mask of one row for every query (SDPA's (B, H, 1, Lk) bias, scores masked alike in every row) over more keys
+    than queries, where nothing the run states places the queries among the keys (no positions, no cache offset, no
+    keys grown by each step's queries): queries() then guesses the end of the keys, and no key is known to be its
+    query's own. Such queries are most often not the keys' tokens (kvpress's question queries over a cache each head
+    pruned on its own, an OpenFold global attention's one mean query per column), and a key-padding row says nothing
+    of where they sit (rows.py's sees-later reads such a mask alike)."""
+    q_len, k_len = call.shape[2:]
+    return call.details.get("mask_rows") == 1 and q_len < k_len and crossing(call).by != "cache" \
+        and not queries_stated(call, top)
 
 
 def _own_keys(cells: np.ndarray, mine: np.ndarray) -> np.ndarray:

@@ -53,7 +53,19 @@ def queries(call, top) -> np.ndarray:
 _QUERIES: dict[int, tuple] = {}
 
 
+def queries_stated(call, top) -> bool:
+    """Something the run states places the call's queries (what queries() reads before its last guess, the end of the
+    keys): maskcli's `model`, the model call's positions or cache offsets, a static buffer's unwritten slots."""
+    return _stated(call, top) is not None
+
+
 def _queries(call, top) -> np.ndarray:
+    q_len, k_len = call.shape[2:]
+    found = _stated(call, top)
+    return np.arange(k_len - q_len, k_len) if found is None else found
+
+
+def _stated(call, top) -> np.ndarray | None:
     q_len, k_len = call.shape[2:]
     placed = call.details.get("queries")
     if placed is not None:
@@ -83,4 +95,4 @@ def _queries(call, top) -> np.ndarray:
     unwritten = call.details.get("unwritten")  # a static buffer's last slots, zero in K and V: none written yet
     if isinstance(unwritten, int) and 0 < unwritten <= k_len - q_len:  # (trace/zerokv.py)
         return np.arange(k_len - unwritten - q_len, k_len - unwritten)
-    return np.arange(k_len - q_len, k_len)
+    return None
