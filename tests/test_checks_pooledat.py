@@ -15,7 +15,7 @@ import torch
 from checkbugs import check_bug
 from maskcli.checks.context import Run, Top
 from maskcli.checks.pooledat import padding_pooled
-from maskcli.trace.poolrows import _gathered, _indexed
+from maskcli.trace.poolrows import _gathered, _hidden, _indexed
 
 POOLPAD = Path(__file__).parent / "data" / "pooledat"
 
@@ -90,3 +90,14 @@ def test_only_a_row_pooled_at_its_padding_is_said():
     top.pooled[0]["positions"] = np.array([1, 3, 3])
     [(_, finding)] = padding_pooled(run)
     assert finding.cell == (0, 1, 1) and "tokens: 2-3" in finding.message
+
+
+def test_logits_are_followed_only_where_they_are_the_call_s_own_positions():
+    hidden, logits = torch.zeros(2, 5, 8), torch.zeros(2, 5, 11)
+    assert _hidden({"last_hidden_state": hidden, "logits": logits}, {})[1] == "last_hidden_state"
+    got, what = _hidden({"logits": logits}, {"input_ids": None})
+    assert got is logits and what == "logits"  # a causal LM's
+    assert _hidden({"logits": logits, "encoder_last_hidden_state": hidden}, {})[0] is None  # a decoder's over a source
+    assert _hidden({"logits": logits}, {"decoder_input_ids": torch.zeros(2, 5)})[0] is None
+    assert _hidden({"logits": logits}, {"labels": torch.zeros(2, 5)})[0] is None  # its loss over every position
+    assert _hidden({"logits": torch.zeros(2, 11)}, {})[0] is None  # a classifier's (B, C): no positions
