@@ -1,7 +1,9 @@
 """checks/pooledat.py (fed by trace/poolrows.py): a batch row of a model's output pooled at a position its attention_mask
 marks padding, on a reproduction of a published bug (Echo's last-token pool of a left-padded batch at
 `attention_mask.sum(1) - 1`) and on the same bug written otherwise (a right-padded batch pooled at `[:, -1]`, the fix
-a `gather`), both fixes quiet; the positions trace reads of an index against what torch's indexing returns."""
+a `gather`), both fixes quiet; a language model's logits read so (ms-swift's reranker at `[:, -1]` of a right-padded
+batch; a left-padded judge gathered at `attention_mask.sum(-1) - 1`); the positions trace reads of an index against
+what torch's indexing returns."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from checkbugs import check_bug
 from maskcli.checks.context import Run, Top
 from maskcli.checks.pooledat import padding_pooled
-from maskcli.trace.poolrows import _gathered, _indexed
+from maskcli.trace.poolrows import _gathered, _hidden, _indexed
 
 POOLPAD = Path(__file__).parent / "data" / "pooledat"
 
@@ -30,6 +32,22 @@ def test_a_right_padded_batch_pooled_at_its_last_column_is_flagged_and_the_gathe
     [hit] = check_bug(tmp_path, "mistral_embedder_right_padded_batch_pooled_at_last_column", "pooled-at-padding", POOLPAD)[:1]
     assert "batch row 1 (and row 2)" in hit["message"] and "position 7 by [:, -1]" in hit["message"]
     assert "padded on the right" in hit["message"]
+
+
+def test_ms_swift_reranker_logits_read_at_the_last_column_of_a_right_padded_batch_are_flagged(tmp_path):
+    # modelscope/ms-swift#5751: in training Template._pad_sequence padded the generative reranker's pairs on the right,
+    # yet generative_reranker_loss reads the yes/no logits at logits[:, -1], a pad position of every shorter pair
+    [hit] = check_bug(tmp_path, "ms_swift_generative_reranker_right_padding_last_logit_is_pad", "pooled-at-padding")[:1]
+    assert "batch row 0 (and rows 1, 3, 5)" in hit["message"]
+    assert "logits are read at position 14 by [:, -1]" in hit["message"]
+    assert "padded on the right" in hit["message"]
+
+
+def test_a_left_padded_judge_logits_gathered_at_a_right_padding_length_are_flagged(tmp_path):
+    [hit] = check_bug(tmp_path, "gpt2_pointwise_judge_left_padded_logits_gathered_at_length", "pooled-at-padding",
+                      POOLPAD)[:1]
+    assert "batch row 1 of GPT2LMHeadModel's logits are read at position 9 by gather(1, ...)" in hit["message"]
+    assert "tokens: 13-22, padded on the left" in hit["message"]
 
 
 def _read(hidden: torch.Tensor, picked: torch.Tensor):
@@ -72,3 +90,14 @@ def test_only_a_row_pooled_at_its_padding_is_said():
     top.pooled[0]["positions"] = np.array([1, 3, 3])
     [(_, finding)] = padding_pooled(run)
     assert finding.cell == (0, 1, 1) and "tokens: 2-3" in finding.message
+
+
+def test_logits_are_followed_only_where_they_are_the_call_s_own_positions():
+    hidden, logits = torch.zeros(2, 5, 8), torch.zeros(2, 5, 11)
+    assert _hidden({"last_hidden_state": hidden, "logits": logits}, {})[1] == "last_hidden_state"
+    got, what = _hidden({"logits": logits}, {"input_ids": None})
+    assert got is logits and what == "logits"  # a causal LM's
+    assert _hidden({"logits": logits, "encoder_last_hidden_state": hidden}, {})[0] is None  # a decoder's over a source
+    assert _hidden({"logits": logits}, {"decoder_input_ids": torch.zeros(2, 5)})[0] is None
+    assert _hidden({"logits": logits}, {"labels": torch.zeros(2, 5)})[0] is None  # its loss over every position
+    assert _hidden({"logits": torch.zeros(2, 11)}, {})[0] is None  # a classifier's (B, C): no positions

@@ -1,6 +1,7 @@
 """A batch row pooled at a position its own attention_mask calls padding.
 
-An embedder pools one position of each row of its model's output: a decoder's last token, an encoder's first. The
+An embedder pools one position of each row of its model's output: a decoder's last token, an encoder's first (and a
+generative reranker reads its yes/no logits at one position per row, ms-swift#5751's `logits[:, -1]`). The
 program states which positions are each row's tokens, the `attention_mask` it handed the model call; the position it
 reads (trace/poolrows.py: `last_hidden_state[arange(B), index]`, `[:, -1]`, `gather(1, ...)`) is one of them or
 the row's embedding is a pad token's, which the row's tokens never reached as they would run alone. Wrong there: the
@@ -38,10 +39,13 @@ def padding_pooled(run: Run) -> list:
             tokens = np.flatnonzero(real[r])
             side = "left" if not real[r, 0] else "right" if not real[r, -1] else "inside"
             others = f" (and row{'s' if len(bad) > 2 else ''} {', '.join(str(b[0]) for b in bad[1:])})" if len(bad) > 1 else ""
+            logits = read.get("what") == "logits"
             found.append((calls[-1], Finding("pooled-at-padding", (
-                f"batch row {r}{others} of {top.where}'s output is pooled at position {p} by {read['how']}, a padding "
-                f"position of the attention_mask it was called with (row {r}'s tokens: {spans(tokens)}, padded on the "
-                f"{side}): the row's embedding is a pad token's — a last-token index counting the other padding side?"),
+                f"batch row {r}{others} of {top.where}'s {'logits are read' if logits else 'output is pooled'} at "
+                f"position {p} by {read['how']}, a padding position of the attention_mask it was called with (row {r}'s "
+                f"tokens: {spans(tokens)}, padded on the {side}): the row's "
+                f"{'score is a pad token' if logits else 'embedding is a pad token'}'s — a last-token index counting the "
+                "other padding side?"),
                 expected=f"row {r} pooled at one of its tokens {spans(tokens)}",
                 source=f"attention_mask of {top.where}", cell=(r, p, p))))
             break
@@ -50,6 +54,7 @@ def padding_pooled(run: Run) -> list:
 
 RULES = (
     Rule("pooled-at-padding", "wrong", "steps", "a batch row of a model's output pooled (indexed at one position per row: "
-         "last-token or first-token pooling) at a position the attention_mask it was called with marks padding",
+         "last-token or first-token pooling, or its logits read so) at a position the attention_mask it was called "
+         "with marks padding",
          padding_pooled),
 )

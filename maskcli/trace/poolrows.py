@@ -9,8 +9,11 @@ kept alive, and the mode is on only while it lives) until it is indexed with one
 slice-free index on the positions (`[:, -1]`), a pair of index tensors (the rows, the positions), or
 `gather(1, ...)` with one position per row, and no longer once it was (the mode on all the while would make an
 embedder's loop 1.4 times slower). The rows and positions read, with that mask, are kept on the call's
-Top (`pooled`: attached as the tops are read), which checks/pooledat.py holds against the mask. Logits are not
-followed (a generate loop reads `[:, -1]` of its left-padded batch rightly, and would keep the mode on throughout).
+Top (`pooled`: attached as the tops are read), which checks/pooledat.py holds against the mask. A language model's
+(B, L, V) `logits` are followed the same way where its output states no `last_hidden_state` (a reranker or a
+classifier reads one position per row of them: ms-swift's `logits[:, -1]`), save where the call is a decoder's over
+another sequence (an encoder-decoder's output, `decoder_*` inputs: its mask is the source's) or is handed `labels` (its
+loss is its own, over every position: a training loop's logits, read no other way, would keep the mode on).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class PoolRows:
         """Follow the `last_hidden_state` of an outermost call's `output` where the call was handed padding over it;
         whether it is followed. Nothing raised reaches the program."""
         try:
-            hidden = _hidden(output)
+            hidden, what = _hidden(output, kwargs)
             if hidden is None:
                 return False
             with unseen():  # (maskcli's own reads: no mode, no subclass of the program's sees them)
@@ -43,7 +46,7 @@ class PoolRows:
                 if not _padded(mask) or tuple(mask.shape) != tuple(hidden.shape[:2]):
                     return False
                 mask = mask.detach().cpu().numpy() != 0
-            record = self.records[(first, end)] = {"mask": mask, "reads": []}
+            record = self.records[(first, end)] = {"mask": mask, "reads": [], "what": what}
             key = id(hidden)
             self._found[key] = (weakref.ref(hidden, lambda _, key=key, found=self._found: found.pop(key, None)), record)
             return True
@@ -54,8 +57,8 @@ class PoolRows:
         """A module's first outermost call, hooked as it runs (its forward hook does not run for it): where it was handed
         padding, its frame's return is watched (a profile function on this thread, until that frame returns: once a
         model) and its output noted as the hook would."""
-        if getattr(module, "lm_head", None) is not None or sys.getprofile() is not None:
-            return  # (a language model's head makes logits: its output states no last_hidden_state to follow)
+        if sys.getprofile() is not None:
+            return
         try:
             with unseen():  # (maskcli's own reads: no mode, no subclass of the program's sees them)
                 if not _padded(_mask(module, args, kwargs)):
@@ -81,7 +84,7 @@ class PoolRows:
         for top in tops:
             record = self.records.get((getattr(top, "first", None), getattr(top, "end", None)))
             if record is not None and record["reads"] and hasattr(top, "pooled"):
-                top.pooled = [{**read, "mask": record["mask"]} for read in record["reads"]]
+                top.pooled = [{**read, "mask": record["mask"], "what": record["what"]} for read in record["reads"]]
 
     def after(self, func, args: tuple, kwargs: dict) -> None:
         """Record the position each row is read at, where `func` indexes a followed output."""
@@ -126,12 +129,21 @@ def _padded(mask) -> bool:
         and mask.device.type != "meta" and not bool(mask.all())
 
 
-def _hidden(output):
-    """The (B, L, D) float `last_hidden_state` an output states, or None."""
-    hidden = getattr(output, "last_hidden_state", None) if not isinstance(output, dict) else output.get("last_hidden_state")
+def _hidden(output, kwargs: dict):
+    """The (B, L, D) float `last_hidden_state` an output states, else its (B, L, V) `logits` where they are the
+    call's own positions' (no encoder-decoder's, no call handed `labels` or `decoder_*` inputs), with its name; or
+    (None, "")."""
+    def stated(name: str):
+        return output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+
+    what = "last_hidden_state"
+    hidden = stated(what)
+    if hidden is None and stated("encoder_last_hidden_state") is None and kwargs.get("labels") is None \
+            and not any(name.startswith("decoder_") for name in kwargs):
+        what, hidden = "logits", stated("logits")
     if type(hidden) is not torch.Tensor or hidden.dim() != 3 or not hidden.is_floating_point() or hidden.device.type == "meta":
-        return None
-    return hidden
+        return None, ""
+    return hidden, what
 
 
 def _ints(index, rows: int) -> np.ndarray | None:
