@@ -1,5 +1,6 @@
 """What an SDPA call's own K and V state, read once a call: edge runs of keys nobody wrote (zero, or one fill value:
-trace/zerokv.py, trace/fillkv.py) and the cache slots the step wrote its own keys to (trace/slotwrites.py)."""
+trace/zerokv.py, trace/fillkv.py), the keys zeroed in K alone (trace/zerokeys.py) and the cache slots the step wrote
+its own keys to (trace/slotwrites.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import torch
 
 from maskcli.trace.fillkv import edge_kv
 from maskcli.trace.slotwrites import written
+from maskcli.trace.zerokeys import zero_keys
 
 
 def key_reads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False) -> dict:
-    """The details of edge_kv and of written, merged."""
+    """The details of edge_kv, of zero_keys and of written, merged."""
     found = edge_kv(q, k, v, k_shape, mask, is_causal)
+    found = {**found, **zero_keys(k, k_shape)} if "zero_kv" not in found else found
     wrote = written(q.shape[-2], k, v, k_shape)
     return {**found, **wrote} if wrote else found
