@@ -201,7 +201,8 @@ def _memory(stack: list, q_len: int, k_len: int, frame) -> dict | None:
             if value is not None and not issubclass(type(value), torch.Tensor):
                 held = _held_keys(value, k_len, inner)
                 if held is not None:  # (an object holding the memory's projected keys: Dia's `cross_attn_cache`)
-                    return {"cross": True, "by": "memory", "source": f"{name}.{held} handed to {where}"}
+                    return {"cross": True, "by": "memory", "source": f"{name}[{held!r}] handed to {where}"
+                            if type(value) is dict else f"{name}.{held} handed to {where}"}
             if not issubclass(type(value), torch.Tensor):
                 continue
             if any(value is other for other in others):
@@ -224,14 +225,16 @@ def _memory(stack: list, q_len: int, k_len: int, frame) -> dict | None:
 
 
 def _held_keys(value, k_len: int, inner: list) -> str | None:
-    """The name of a tensor `value` (an object handed under a memory's name: a cache of the memory's keys and values)
-    holds as an attribute whose length along dim -2 is the call's `k_len` and that a frame within (`inner`: the
-    functions it handed them to, down to the kernel) holds as is: the keys the kernel attends are that memory's."""
+    """The name of a tensor `value` (an object or dict handed under a memory's name: a cache of the memory's keys and
+    values) holds as an attribute or entry whose length along dim -2 is the call's `k_len` and that a frame within
+    (`inner`: the functions it handed them to, down to the kernel) holds as is: the keys the kernel attends are that
+    memory's."""
     try:
-        own = vars(value)
+        own = value if type(value) is dict else vars(value)  # (a dict of the memory's keys and values, or an object)
     except TypeError:  # (no __dict__: a tuple, a slotted object; nothing read)
         return None
-    held = {id(t): n for n, t in own.items() if issubclass(type(t), torch.Tensor) and t.dim() >= 2 and t.shape[-2] == k_len}
+    held = {id(t): str(n) for n, t in own.items() if issubclass(type(t), torch.Tensor) and t.dim() >= 2
+            and t.shape[-2] == k_len}
     if not held:
         return None
     for frame in inner:
