@@ -19,10 +19,13 @@ def test_zero_keys_against_a_loop_over_every_head_and_dimension():
     k[1, :, :] = 0  # (row 1: every key)
     k[2, 0, 1] = 0  # (row 2: key 1 in head 0 only)
     k[2, :, 3, 0] = 0  # (row 2: key 3 in its first dimension only)
+    v = torch.randn(3, 2, 6, 4)
     want = np.array([[all(float(k[b, h, j, d]) == 0 for h in range(2) for d in range(4)) for j in range(6)]
                      for b in range(3)])
-    assert np.array_equal(zero_keys(k, tuple(k.shape))["zero_keys"], want)
-    assert zero_keys(torch.randn(3, 2, 6, 4), (3, 2, 6, 4)) == {}  # (no key zero)
+    assert np.array_equal(zero_keys(k, v, tuple(k.shape))["zero_keys"], want)
+    assert zero_keys(torch.randn(3, 2, 6, 4), v, (3, 2, 6, 4)) == {}  # (no key zero)
+    v[0, :, 4:], v[1] = 0, 0  # (zero in V too: slots nobody wrote, zerokv.py's, not keys zeroed as padding)
+    assert zero_keys(k, v, tuple(k.shape)) == {}
 
 
 def test_the_keys_a_padding_name_calls_real_zeroed_say_it_is_a_keep_mask():

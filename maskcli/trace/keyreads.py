@@ -14,6 +14,6 @@ from maskcli.trace.zerokeys import zero_keys
 def key_reads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False) -> dict:
     """The details of edge_kv, of zero_keys and of written, merged."""
     found = edge_kv(q, k, v, k_shape, mask, is_causal)
-    found = {**found, **zero_keys(k, k_shape)} if "zero_kv" not in found else found
+    found = {**found, **zero_keys(k, v, k_shape)} if "zero_kv" not in found else found
     wrote = written(q.shape[-2], k, v, k_shape)
     return {**found, **wrote} if wrote else found
