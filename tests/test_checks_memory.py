@@ -453,3 +453,32 @@ def test_cached_cross_keys_of_a_left_padded_source_without_their_mask(tmp_path):
     hit = check_bug(tmp_path, "left_padded_source_cached_cross_kv_sdpa_no_mask", "encoder-padding-ignored", ENCODED)[0]
     pads = (7 - 4, 0)
     assert tuple(hit["cell"]) == first((2, 1, 7), lambda b, q, k: k < pads[b]), hit
+
+
+def test_dia_cfg_cross_attention_over_a_cache_object_without_the_text_padding(tmp_path):
+    """nari-labs/dia#230 (commit e4f886a, merged as 2811af1; written blind, batch blind-ed): DecoderLayer hands its
+    CrossAttention the keys of a `cross_attn_cache` object (a KVCache, read as the memory: trace/crossing.py) and no
+    attn_mask. Each prompt is paired with an unconditional row of padding only (rows 0, 2), so the encoder's segment
+    mask (real with real, padding with padding) says which run is the padding in no row alone; the conditional rows
+    (6 and 11 real tokens of 16) see both runs. The first such cell, by a double loop; the fix, whose uncond rows see
+    no key and whose `padding_mask` (True = real) keeps the real text, is quiet (no padding-only-attended: the keys
+    that name calls real are those it zeroed in K, checks/heldzero.py)."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "dia_decoder_cross_attention_ignores_text_padding_mask", "encoder-padding-ignored")[0]
+    real = (0, 6, 0, 11)  # (an unconditional row: all padding, one run)
+    assert tuple(hit["cell"]) == first((4, 1, 16), lambda b, q, k: 0 < real[b] <= k), hit
+    assert "cross_attn_cache.k handed to DecoderLayer.forward()" in hit["message"], hit["message"]
+
+
+def test_cfg_text_cross_kv_dict_left_padded_without_the_mask(tmp_path):
+    """Written another way (MusicGen / Parler-TTS style): null prompts of one BOS token paired with each prompt, all
+    left-padded; the text encoder hides the pads by a key padding mask; the decoder's cross-attention reads a dict
+    `cross_kv` through one `attend` helper with no mask. The first cell, by a double loop over the left padding
+    (rows of 1, 6, 1, 3 real tokens in 6 slots)."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "cfg_text_cross_kv_dict_left_padded_no_mask", "encoder-padding-ignored", ENCODED)[0]
+    real = (1, 6, 1, 3)
+    assert tuple(hit["cell"]) == first((4, 1, 6), lambda b, q, k: k < 6 - real[b]), hit
+    assert "cross_kv['k'] handed to AudioDecoderLayer.forward()" in hit["message"], hit["message"]

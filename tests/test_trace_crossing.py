@@ -582,3 +582,37 @@ def test_a_layer_of_no_weights_handed_queries_and_keys_is_read_by_their_lengths(
         assert _crossings(lambda: bare(x, y, y)) == {"DotProductAttention": {(True, "inputs")}}
         assert _crossings(lambda: bare(x, torch.randn(2, 4, 8), torch.randn(2, 4, 8))) == {"DotProductAttention": {(False, "none")}}
         assert _crossings(lambda: outer(x, x)) == {"inner": {(False, "inputs")}}
+
+
+def test_a_memory_handed_as_an_object_or_a_dict_of_its_projected_keys():
+    """Dia's DecoderLayer.forward(x, ..., cross_attn_cache, ...) hands its attention helper the keys of a KVCache
+    object (a `cross_kv` dict, written another way): cross where the helper holds one of its tensors as long as the
+    keys; the self-attention beside it, over its own cache, reads as before (a `cross_*` that holds no such keys)."""
+
+    class Cache:
+        def __init__(self, k, v):
+            self.k, self.v = k, v
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x, own, cross_attn_cache):
+            q = self.proj(x)[:, None]
+            x = attend(q, own["k"], own["v"])[:, 0]
+            memory = cross_attn_cache if isinstance(cross_attn_cache, dict) else vars(cross_attn_cache)
+            return attend(q, memory["k"], memory["v"])
+
+    layer, own = Layer(), {"k": torch.randn(2, 1, 4, 8), "v": torch.randn(2, 1, 4, 8)}
+    for memory in (Cache(torch.randn(2, 1, 7, 8), torch.randn(2, 1, 7, 8)),
+                   {"k": torch.randn(2, 1, 7, 8), "v": torch.randn(2, 1, 7, 8)}):
+        with torch.no_grad(), maskcli.trace() as t:
+            layer(torch.randn(2, 1, 8), own, memory)
+        said = [(c.shape[3], crossing(c).cross) for c in t.calls]
+        assert said == [(4, False), (7, True)], said
+        name = "cross_attn_cache['k']" if isinstance(memory, dict) else "cross_attn_cache.k"
+        assert crossing(t.calls[1]).source.startswith(f"{name} handed to Layer.forward()"), crossing(t.calls[1]).source

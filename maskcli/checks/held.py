@@ -33,6 +33,7 @@ from maskcli.checks.heldfold import folded_padding, over_memory, padded_batch as
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.heldlengths import by_lengths
 from maskcli.checks.heldscript import script_padding
+from maskcli.checks.heldzero import zeroed_as_real
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.registry import Rule
 from maskcli.checks.tiled import batch_part
@@ -361,8 +362,9 @@ def held_inverted(run: Run) -> list:
                             break
                     else:
                         continue
-                    if after_every_query(call, run, real[padded], at):
-                        continue  # (the complement is then causality itself: it says nothing of which way round)
+                    if after_every_query(call, run, real[padded], at) or zeroed_as_real(call, real, padded, at):
+                        continue  # (the complement is then causality itself: it says nothing of which way round;
+                        # or the keys it calls real are those the program zeroed in K: heldzero.py)
                     b = int(np.flatnonzero(padded)[0])
                     k = int(np.flatnonzero(~real[b])[0]) + at
                     said = f"{held['name']} in {held['where']}"

@@ -183,10 +183,12 @@ def _memory(stack: list, q_len: int, k_len: int, frame) -> dict | None:
     SD3's or Qwen-Image's, has keys of neither length: it says nothing); None or the queries' own tensor is
     self-attention (diffusers' processor sets `encoder_hidden_states = hidden_states`; lucidrains' `context =
     default(context, x)`)."""
+    inner = []  # (the frames within this one, innermost first: where the kernel's keys were handed on)
     for frame in _frames(stack, frame):
         code = frame.f_code
         names, masks = _names(code)
         if not names:
+            inner.append(frame)
             continue
         variables = frame.f_locals
         params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
@@ -196,6 +198,11 @@ def _memory(stack: list, q_len: int, k_len: int, frame) -> dict | None:
         where = f"{where}() of {os.path.basename(code.co_filename)}"
         for name in names:
             value = variables.get(name)
+            if value is not None and not issubclass(type(value), torch.Tensor):
+                held = _held_keys(value, k_len, inner)
+                if held is not None:  # (an object holding the memory's projected keys: Dia's `cross_attn_cache`)
+                    return {"cross": True, "by": "memory", "source": f"{name}[{held!r}] handed to {where}"
+                            if type(value) is dict else f"{name}.{held} handed to {where}"}
             if not issubclass(type(value), torch.Tensor):
                 continue
             if any(value is other for other in others):
@@ -214,6 +221,26 @@ def _memory(stack: list, q_len: int, k_len: int, frame) -> dict | None:
                 reading["unmasked"] = unmasked  # (the program states no padding of the memory: checks/crosspad.py)
             return reading
         return {"cross": False, "by": "memory", "source": f"{' / '.join(names)}=None handed to {where}"}
+    return None
+
+
+def _held_keys(value, k_len: int, inner: list) -> str | None:
+    """The name of a tensor `value` (an object or dict handed under a memory's name: a cache of the memory's keys and
+    values) holds as an attribute or entry whose length along dim -2 is the call's `k_len` and that a frame within
+    (`inner`: the functions it handed them to, down to the kernel) holds as is: the keys the kernel attends are that
+    memory's."""
+    try:
+        own = value if type(value) is dict else vars(value)  # (a dict of the memory's keys and values, or an object)
+    except TypeError:  # (no __dict__: a tuple, a slotted object; nothing read)
+        return None
+    held = {id(t): str(n) for n, t in own.items() if issubclass(type(t), torch.Tensor) and t.dim() >= 2
+            and t.shape[-2] == k_len}
+    if not held:
+        return None
+    for frame in inner:
+        for local in frame.f_locals.values():
+            if id(local) in held and issubclass(type(local), torch.Tensor):
+                return held[id(local)]
     return None
 
 

@@ -1,6 +1,6 @@
 """What an SDPA call's own K and V state, read once a call: edge runs of keys nobody wrote (zero, or one fill value:
-trace/zerokv.py, trace/fillkv.py), the cache slots the step wrote its own keys to (trace/slotwrites.py) and keys of
-earlier calls come back scaled (trace/keyscale.py)."""
+trace/zerokv.py, trace/fillkv.py), the keys zeroed in K alone (trace/zerokeys.py), the cache slots the step wrote its
+own keys to (trace/slotwrites.py) and keys of earlier calls come back scaled (trace/keyscale.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import torch
 import maskcli.trace.keyscale as keyscale
 import maskcli.trace.slotwrites as slotwrites
 from maskcli.trace.fillkv import edge_kv
+from maskcli.trace.zerokeys import zero_keys
 
 
 def key_reads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False) -> dict:
-    """The details of edge_kv, of written and of keys_rescaled, merged."""
+    """The details of edge_kv, of zero_keys, of written and of keys_rescaled, merged."""
     found = edge_kv(q, k, v, k_shape, mask, is_causal)
+    found = {**found, **zero_keys(k, v, k_shape)} if "zero_kv" not in found else found
     wrote = slotwrites.written(q.shape[-2], k, v, k_shape)
     return {**found, **wrote, **keyscale.keys_rescaled(k, k_shape)}
 

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from maskcli.trace.blockwindows import note as block_windows
 from maskcli.trace.placedids import placed_ids
 from maskcli.trace.scores import HEADS, stated_heads
 
@@ -90,7 +91,8 @@ def note(details: dict, stack: list, api: str = "", shape: tuple | None = None) 
     softmax, details["stated_heads"]: the head count its innermost module that states one holds, which tells which axis
     of hand-written scores is heads (checks/heads.py). At a one-row call over several queries that another
     sequence's keys (details["cross"]), the layer's folded samples and memories: details["query_input"] and
-    details["memory_input"] (folded_inputs)."""
+    details["memory_input"] (folded_inputs). At every call, the windows the running modules state where two differ
+    (trace/blockwindows.py: details["block_windows"])."""
     if api == "softmax" and (heads := stated_heads(stack, HEADS + ("heads", "n_local_heads"))) is not None:
         details["stated_heads"] = heads
     if "held_padding" in details and stack:
@@ -109,6 +111,7 @@ def note(details: dict, stack: list, api: str = "", shape: tuple | None = None) 
         folded = folded_inputs(stack, shape)
         if folded is not None:
             details["query_input"], details["memory_input"] = folded
+    block_windows(details, stack)
 
 
 # details that name this process's objects (a query tensor's serial, a count of a function's runs: windows.py): read by

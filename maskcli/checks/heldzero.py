@@ -1,0 +1,22 @@
+"""Keys the program zeroed in K (trace/zerokeys.py), read as its own statement of which keys are padding.
+
+A padding mask named as padding (`padding_mask`: True = padding by name) may hold True at the real tokens (Dia's
+`padding_mask = text != pad`). Where, in every padded row, the keys that reading calls real are exactly the keys the
+program zeroed in K before the call (Dia's `k.masked_fill(~padding_mask, 0)`), the program states the other reading:
+its mask is a keep mask, and a kernel that keeps those keys' complement keeps its real keys (held.py's
+padding-only-attended is quiet then).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def zeroed_as_real(call, real: np.ndarray, padded: np.ndarray, at: int) -> bool:
+    """Whether the call's keys zeroed in K are, in each padded row (`padded`: bool (rows,)), exactly those `real`
+    (bool (rows, n), the keys from `at` on) calls real: the reading turned against what the program zeroed."""
+    zero = call.details.get("zero_keys")
+    if not isinstance(zero, np.ndarray) or zero.ndim != 2 or zero.shape[0] not in (1, real.shape[0]):
+        return False
+    zero = np.broadcast_to(zero, (real.shape[0], zero.shape[1]))[:, at:at + real.shape[1]]
+    return zero.shape == real.shape and bool(np.array_equal(zero[padded], real[padded]))
