@@ -871,3 +871,45 @@ def test_a_time_major_query_copied_batch_major_beside_a_head_major_padding_is_fl
         return q >= own and k < own and k >= laid
 
     assert tuple(found[0]["cell"]) == first((samples * heads, length, length), bad)
+
+
+def test_fms_pad_input_ids_flagging_pads_by_a_non_zero_pad_value_is_said_as_padding(tmp_path):
+    """foundation-model-stack/foundation-model-stack 32bfbc8 (written blind, batch blind-eg): `pad_input_ids` flagged
+    pads with `pads.bool()`, so StarCoder's <fim_pad> = 4 made every pad real. No mask names the padding: the ids lead
+    with a run of 4 where the position_ids stay 0 (checks/idspositions.py), and the real queries of the short prompt
+    see those keys (said as padding, not as packed documents); the fix (`is_pad` zeros) is quiet."""
+    found = check_bug(tmp_path, "fms_gpt_bigcode_pad_input_ids_nonzero_pad_mask_attends_pads", "padding-ignored")
+    pads = (12 - 7, 0)
+    assert tuple(found[0]["cell"]) == first((2, 12, 12), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
+    assert found[0]["source"].startswith("input ids padded with 4"), found
+
+
+def test_a_keep_mask_from_the_pad_id_it_assumed_is_flagged_by_the_ids_and_positions(tmp_path):
+    # fms 32bfbc8's bug written another way: a RoPE decoder, a boolean SDPA keep mask from `ids != 0` while the prompts
+    # are left-padded with 2 (the EOS), positions filled with 1 over the pads as Hugging Face's cumsum - 1 does
+    found = check_bug(tmp_path, "batched_prompts_pad_mask_from_zero_id_eos_padded", "padding-ignored", folder=ARGS)
+    pads = (9 - 4, 0)
+    assert tuple(found[0]["cell"]) == first((2, 9, 9), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
+
+
+def test_surya_order_boxes_unmasked_by_count_over_left_padding_is_flagged(tmp_path):
+    """VikParuchuri/surya f82a06e (written blind, batch blind-eg): the reading-order decoder unmasks the boxes'
+    columns [0, box_count) for box-to-box attention, but the boxes are left-padded, so real boxes see PAD boxes. The
+    decoder is handed `input_boxes_mask`, whose 0s are exactly the PAD boxes of `input_boxes` (trace/padded.py's
+    input_mask, checks/plainpad.py); the fix unmasks [pad_len, max_boxes) and is quiet."""
+    found = check_bug(tmp_path, "surya_ordering_mbart_order_decoder_boxes_mask_counts_ignore_left_padding",
+                      "padding-ignored")
+    pads, counts = (5, 1), (3, 7)  # 3 and 7 boxes padded to 8; boxes unmasked on columns [0, count)
+
+    def bad(b, q, k):
+        return q >= pads[b] and k < min(pads[b], counts[b])
+
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), bad)
+
+
+def test_cells_unmasked_up_to_the_batch_longest_over_right_padding_are_flagged(tmp_path):
+    # surya f82a06e's bug written another way: right-padded table cells (row, column) with their input_cells_mask,
+    # nn.MultiheadAttention, the both-ways span unmasked up to counts.max() instead of each row's count
+    found = check_bug(tmp_path, "table_cells_prefix_span_batch_wide_attends_pad_cells", "padding-ignored", folder=ARGS)
+    counts = (3, 6)
+    assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: q < counts[b] <= k)

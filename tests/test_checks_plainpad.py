@@ -43,3 +43,18 @@ def test_what_is_not_read():
     other = ids.copy()
     other[1, 0] = 3  # the 0s not all one id
     assert not ids_padding(mask, other)
+
+
+def test_a_mask_named_for_its_input_is_that_input_padding_even_where_every_row_is_padded():
+    from maskcli.checks.plainpad import named_padding
+
+    boxes = [[[1, 2, 3, 4]] * 0 + [[9, 9, 9, 9]] * 2 + [[1, 2, 3, 4], [5, 6, 7, 8]],
+             [[9, 9, 9, 9]] + [[1, 1, 2, 2], [3, 3, 4, 4], [2, 2, 5, 5]]]
+    mask = np.array([[0, 0, 1, 1], [0, 1, 1, 1]])
+    ids = np.unique(np.array(boxes).reshape(8, 4), axis=0, return_inverse=True)[1].reshape(2, 4)
+    said = named_padding({"input_mask_of": ("input_boxes_mask", "input_boxes", mask, ids)}, 2, 4)
+    assert said is not None and (said[0] == (mask == 1)).all()
+    assert not ids_padding(mask, ids)  # (a plain mask must leave some row unpadded)
+    loss = np.array([[0, 0, 1, 1], [0, 0, 0, 1]])  # 0s over varied boxes: no padding
+    assert named_padding({"input_mask_of": ("input_boxes_mask", "input_boxes", loss, ids)}, 2, 4) is None
+    assert named_padding({}, 2, 4) is None

@@ -26,9 +26,9 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     # say the pads without the mask the program held and never passed: both are said then)
     "padding-unused": {"padding-ignored (a mask)", "padding-lost", "encoder-padding-ignored", "batch-rows-on-queries",
                        "mask-of-another-row"},  # (another row's padding, laid on this row's head: headrows.py)
-    "documents-leak": {"varlen-leak", "varlen-disagree", "positions-repeated"},  # documents given outright
-    # (varlen.py); or rope ids stalled at the pad fill over real tokens, counting from 0 over the pads: no packing
-    # (repeated.py)
+    "documents-leak": {"varlen-leak", "varlen-disagree", "positions-repeated", "padding-ignored"},  # documents given
+    # outright (varlen.py); or rope ids stalled at the pad fill over real tokens, counting from 0 over the pads: no
+    # packing (repeated.py); or the positions' leading zeros a padding the ids state too (idspositions.py)
     "samples-leak": {"documents-leak", "varlen-leak"},  # numbered samples, said by their position_ids or cu_seqlens first
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
     "window-differs-at-decode": {"window-lost"},  # a decode step wider than its prefill: said as the window lost

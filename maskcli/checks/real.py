@@ -29,7 +29,8 @@ import numpy as np
 
 from maskcli.checks.context import keep, queries, real_queries, runs
 from maskcli.checks.placing import positions_said
-from maskcli.checks.plainpad import ids_padding
+from maskcli.checks.idspositions import positions_padding
+from maskcli.checks.plainpad import ids_padding, named_padding
 
 PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
 REAL_TRUE = ("attention_mask", "patch_attention_mask", "patch_attn_mask")  # 1 = a real token (a real patch)
@@ -163,6 +164,12 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
             (_edge(at_pad) or sure and _static(at_pad)) and (not by or _on_side(at_pad, arguments.get("padding_side")))
             or _prompt_and_completion(at_pad, arguments.get("padding_side"))):  # (a mask given wins)
         found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}{by}{folded}", sure))
+    named = named_padding(arguments, rows, length)
+    if named is not None:
+        found.append((named[0], named[1], True))
+    placed = positions_padding(tokens, arguments.get("position_ids")) if not found and tokens is not None else None
+    if placed is not None:  # (the ids' run of one id where the positions stay put: idspositions.py)
+        found.append((placed[0], f"input ids padded with {placed[1]} where their position_ids stay put{folded}", True))
     if not found:
         return None
     first = np.broadcast_to(found[0][0], (rows, length))

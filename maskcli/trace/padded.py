@@ -1,5 +1,6 @@
 """A model call's padding stated twice: a 0/1 mask named as a padding mask beside a float input that is exactly zero
-across the mask's padded run (checks/padded.py holds the two against the attention: zero-padding-attended)."""
+across the mask's padded run (checks/padded.py holds the two against the attention: zero-padding-attended); a 0/1
+mask named for an integer input beside it, kept with that input's tokens as ids (checks/plainpad.py)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,25 @@ def _samples_axis(data, length: int):
     if data.dim() == 2:
         return None if data.shape[1] == length else _NOT
     return 1 if data.shape[2] == length else 2 if data.shape[1] == length else _NOT
+
+
+def input_mask(given: dict) -> dict:
+    """{"input_mask_of": (mask name, input name, int (B, L) mask, int (B, L) ids)}: the first argument `<x>_mask`, a 2-D
+    0/1 integer or bool tensor, beside an integer argument `<x>` of (B, L) or (B, L, F) whose leading axes are the
+    mask's (surya's reading-order decoder: boxes (B, L, 4) and their mask). Each token of `<x>` is read as one id (a
+    box of F coordinates: one id per distinct box), so a pad box is one id as a pad token is."""
+    for name, mask in given.items():
+        source = given.get(name[:-len("_mask")]) if name.endswith("_mask") else None
+        if not issubclass(type(mask), torch.Tensor) or not issubclass(type(source), torch.Tensor) \
+                or mask.dim() != 2 or source.dim() not in (2, 3) or tuple(source.shape[:2]) != tuple(mask.shape) \
+                or source.is_floating_point() or source.dtype == torch.bool or mask.is_floating_point() \
+                or source.numel() > MOST or "meta" in (mask.device.type, source.device.type):
+            continue
+        flags = mask.detach().cpu().numpy().astype(np.int64)
+        if flags.size == 0 or flags.min() < 0 or flags.max() > 1:
+            continue
+        tokens = source.detach().cpu().numpy().astype(np.int64)
+        tokens = tokens.reshape(tokens.shape[0] * tokens.shape[1], -1)
+        ids = np.unique(tokens, axis=0, return_inverse=True)[1].reshape(flags.shape)
+        return {"input_mask_of": (name, name[:-len("_mask")], flags, ids)}
+    return {}

@@ -24,7 +24,7 @@ from maskcli.trace.embedids import embed_ids, float_mask
 from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
-from maskcli.trace.padded import MOST, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
+from maskcli.trace.padded import MOST, input_mask, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
 from maskcli.trace.samplerows import sample_rows
 from maskcli.trace.targetmap import target_mapping
 from maskcli.trace.tiles import zero_units
@@ -140,6 +140,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
         found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
     found.update(padded_input(given))
+    found.update(input_mask(given))  # (a mask named for an input beside it: checks/plainpad.py)
     found.update(zero_memory(given))  # (a memory input whose padding is zeroed: checks/zeromemory.py)
     found.update(video_input(given))  # (a video latent's shape: checks/frameblocks.py)
     found.update(handed_cells(given))  # (a (B, L, L) mask the call was handed: checks/handedcausal.py)

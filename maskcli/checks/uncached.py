@@ -1,0 +1,63 @@
+"""A decode step placed past every key it is handed: the keys before it, which its own prefill attended, never reached it.
+
+A call site's first pass over a sequence (its queries at positions 0 .. L - 1, as many keys, L two or more) where some
+query sees a key before its own shows the layer attends back over the sequence. A later call of the same site handed
+as many keys as queries, whose queries the model call places past all of them (its position_ids, cache_position or
+start position: checks/placing.py; query p with only q keys, p >= q), and fewer keys than that first pass had, is
+handed none of the keys the first pass let the same layer read: the cache the step continues is not what the kernel
+got (bigcode Megatron-LM f1a50a3: FlashSelfAttention built the key cu_seqlens from the query length at decode, so
+each one-token step attended one key row of the flattened cache, not its own prefix). Wrong: the program's own
+positions and its own prefill say the query has keys before it.
+
+Quiet where the step has more keys than queries (a cache read, evicted or windowed as it may be), where the
+positions are not stated (placing.py then places the queries at the keys' end), where the first pass lets no query
+see an earlier key (each token alone), and where the step has as many keys as that pass or more (chunks of a stream
+encoded apart, each its own sequence).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, keep
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def _first_pass(call, own: np.ndarray) -> bool:
+    """The call is a first pass (queries at 0 .. L - 1 over L keys) in which some query sees an earlier key."""
+    q_len, k_len = call.shape[2:]
+    if q_len < 2 or q_len != k_len or own[0] != 0 or not (np.diff(own) == 1).all():
+        return False
+    cells = keep(call)
+    return cells is not None and bool(np.tril(cells.any(axis=tuple(range(cells.ndim - 2))), -1).any())
+
+
+def uncached(run: Run) -> list:
+    """(call, Finding) for the first step of each site handed only its own keys while placed past them all."""
+    found = []
+    for where, calls in run.sites().items():
+        before = None
+        for call in sorted(calls, key=lambda c: c.index):
+            top, own, _ = run.placed(call)
+            q_len, k_len = call.shape[2:]
+            if _first_pass(call, own):
+                before = call
+                continue
+            if before is None or q_len != k_len or own[0] < k_len or k_len >= before.shape[3]:
+                continue
+            said = "the model call's positions" if top is None else f"the positions {top.where} states"
+            found.append((call, Finding("decode-keys-missing", (
+                f"query 0 sits at position {int(own[0])} ({said}) but is handed only {k_len} key(s), as many as its "
+                f"queries, "
+                f"though the first pass at this site ({before.shape[3]} keys) let its queries see the keys before them: "
+                f"the keys before the step (its cache) never reached the kernel"),
+                expected=f"the keys 0..{int(own[0])} of the sequence", source=said, cell=(0, 0, 0))))
+            break
+    return found
+
+
+RULES = (
+    Rule("decode-keys-missing", "wrong", "steps", "a step placed by its positions past every key it is handed, fewer "
+         "than its site's first pass attended: the cache never reached the kernel", uncached),
+)

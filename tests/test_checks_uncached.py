@@ -1,0 +1,34 @@
+"""checks/uncached.py: a decode step placed past every key it is handed, fewer than its site's first pass attended."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkbugs import check_bug, traced
+
+UNCACHED = Path(__file__).parent / "data" / "uncached"
+
+
+def test_megatron_flash_decode_with_query_cu_seqlens_is_flagged(tmp_path):
+    """bigcode-project/Megatron-LM f1a50a3 (NVIDIA Megatron-LM "Flash Attention inference fix"; written blind, batch
+    blind-eg): FlashSelfAttention built the key cu_seqlens from the query length and kept causal=True at decode, so
+    each one-token step attended one key row (a CPU stand-in runs SDPA per cu_seqlens segment). The model call's
+    position_ids put the first decode query at 6, after a 6-token prompt; the fix hands the whole prefix."""
+    [hit, *_] = check_bug(tmp_path, "bigcode_megatron_flash_self_attention_decode_uses_query_cu_seqlens_and_causal",
+                          "decode-keys-missing")
+    prompt = 6  # the prompt's length: the first decode token's position
+    assert f"position {prompt} " in hit["message"] and f"({prompt} keys)" in hit["message"], hit
+
+
+def test_a_static_cache_written_but_not_attended_is_flagged(tmp_path):
+    # written another way: a static cache indexed by cache_position, eager matmul + softmax, grouped heads, a batch of
+    # two; the step's own keys handed to the kernel instead of the cache just written
+    [hit, *_] = check_bug(tmp_path, "static_cache_decode_attends_new_keys_only", "decode-keys-missing", UNCACHED)
+    assert "position 5 " in hit["message"] and "(5 keys)" in hit["message"], hit
+
+
+def test_tokens_alone_and_a_windowed_cache_read_are_quiet(tmp_path):
+    # a layer whose tokens attend only themselves, stepped one token on at position 4, then decode steps
+    # that read a cache cut to a window: neither is a step handed none of its keys
+    status, found, report = traced(tmp_path, "alone_tokens_step_and_windowed_decode", False, UNCACHED)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
