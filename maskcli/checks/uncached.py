@@ -44,7 +44,7 @@ def uncached(run: Run) -> list:
             if _first_pass(call, own):
                 before = call
                 continue
-            if before is None or q_len != k_len or own[0] < k_len or k_len >= before.shape[3]:
+            if before is None or not q_len or q_len != k_len or own[0] < k_len or k_len >= before.shape[3]:
                 continue
             said = "the model call's positions" if top is None else f"the positions {top.where} states"
             found.append((call, Finding("decode-keys-missing", (
