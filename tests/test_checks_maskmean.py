@@ -28,6 +28,25 @@ def test_mean_pooling_that_sums_the_padding_is_flagged_and_the_masked_sum_is_not
     assert "batch row 1 sums values at positions 3, 4, 5, 6" in hit["message"]
 
 
+def test_unimol_coord_head_sums_padded_atom_pairs(tmp_path):
+    # deepmodeling/Uni-Mol#211 (commit 7394647; written blind, batch blind-ee): the masked-coordinate head divides each
+    # pair's delta_pos by atom_num (counted from `1 - padding_mask`), weighs it by pair2coord_proj and sums over the
+    # pairs, the padded atoms' too; the fix multiplies by the pair mask first (and counts atom_num without the - 1)
+    [hit] = check_bug(tmp_path, "unimol_coord_head_padded_atoms_not_pair_masked", "mean-counts-masked")[:1]
+    # the program's own batch: molecules of 7 and 15 tokens padded to 16: row 0's pads are 7..15
+    message = " ".join(hit["message"].split())
+    assert "(2, 16) mask's sum (each term divided before the sum)" in message
+    assert "batch row 0 sums values at positions " + ", ".join(str(p) for p in range(7, 15)) + ", ..." in message
+
+
+def test_egnn_coordinate_update_mean_over_padded_nodes(tmp_path):
+    # written another way: an E(n)-equivariant block over left-padded molecules (bool node_mask, 9, 5 and 7 atoms of 9)
+    # whose coordinate update `(diff * weight / count).sum(2)` sums the padded atoms' differences; the fix weighs them 0
+    [hit] = check_bug(tmp_path, "egnn_coordinate_update_mean_over_padded_nodes", "mean-counts-masked", MASKMEAN)[:1]
+    message = " ".join(hit["message"].split())
+    assert "batch row 1 sums values at positions " + ", ".join(str(p) for p in range(9 - 5)) + " the mask" in message
+
+
 def _reference(values: np.ndarray, mask: np.ndarray):
     for row in range(mask.shape[0]):
         if not any(mask[row]):

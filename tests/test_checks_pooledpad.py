@@ -95,3 +95,50 @@ def test_weights_times_a_mask_or_renormalised_are_no_pooling():
         return first + torch.einsum("bl,bld->ld", torch.softmax(torch.randn(2, 5), dim=0), h).sum()
 
     assert _pools(pool) == ()
+
+
+def test_csums2_esa_spec_pooling_mask_polarity_turned_round(tmp_path):
+    """tingxiecsu/CSU-MS2#4 (fixed in commit 0f37fc7; written blind, batch blind-ee): ESA_SPEC fills and zeroes its
+    per-channel pooling weights where `mask == 0`, the mask being `~(arange < num_peaks)` (True = padded peak), the
+    one its peak attention is handed as `src_key_padding_mask`: it pools the padded peaks only. Both versions also
+    add that bool mask to the attention scores (`attn += attn_mask`, another bug reproduced elsewhere): bool-added and
+    padding-unused are true findings of it on either run, so the fix is held to no pooled-over-padding."""
+    name = "csums2_esa_spec_peak_padding_mask_polarity_inverted"
+    status, found, report = traced(tmp_path, name, False)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "pooled-over-padding" and f["severity"] == "wrong"]
+    # the program's own batch: 12, 7 and 4 peaks padded to 12; row 1's pads are 7..11, row 2's 4..11
+    assert tuple(hit["cell"]) == (1, 0, 7)
+    assert f"({(12 - 7) + (12 - 4)} such positions)" in " ".join(hit["message"].split())
+    assert "polarity turned round" in " ".join(hit["message"].split())
+    status, found, report = traced(tmp_path, name, True)
+    assert [f["code"] for f in found if f["code"] == "pooled-over-padding"] == [], report
+    assert {f["code"] for f in found if f["severity"] == "wrong"} <= {"bool-added", "padding-unused"}, report
+
+
+def test_left_padded_set_readout_mask_turned_round(tmp_path):
+    """Written another way: a set encoder (torch's nn.TransformerEncoder handed `padding_mask`, True = padding, left
+    padded to counts 9, 5, 7) whose attention readout, one score per atom filled by torch.where and pooled by bmm,
+    reads that mask as a keep mask: only the pads are pooled."""
+    [hit] = check_bug(tmp_path, "set_readout_left_padded_pool_mask_turned_round", "pooled-over-padding", POOLEDPAD)
+    counts, width = (9, 5, 7), 9
+    assert tuple(hit["cell"]) == (1, 0, 0)  # (left padding: row b's pads are 0 .. width - count - 1)
+    assert f"({sum(width - c for c in counts)} such positions)" in " ".join(hit["message"].split())
+    assert "padding_mask" in hit["message"] and "polarity turned round" in " ".join(hit["message"].split())
+
+
+def test_per_feature_weights_filled_after_the_softmax_against_a_loop():
+    """Weights of one softmax per feature (B, L, C), zeroed at some positions by a masked_fill after the softmax, times
+    values of their own shape: the positions kept are those some feature gives a weight above 1e-6, by a loop."""
+    scores, hidden = torch.randn(2, 5, 3), torch.zeros(2, 5, 1, dtype=torch.bool)
+    hidden[0, 4], hidden[1, 2:] = True, True
+
+    def pool(h):
+        w = torch.softmax(scores, dim=1).masked_fill(hidden, 0)
+        return torch.sum(w * torch.cat([h, h], -1)[..., :3], dim=1)
+
+    [kept] = _pools(pool)
+    expected = [[any(not hidden[b, k, 0] and torch.softmax(scores[b, :, c], dim=0)[k] > 1e-6 for c in range(3))
+                 for k in range(5)] for b in range(2)]
+    assert kept["weighed"].tolist() == expected
+    assert expected == [[True] * 4 + [False], [True, True, False, False, False]]

@@ -18,6 +18,7 @@ from maskcli.checks.context import Run, beside_memory, cross, first_cell, keep, 
 from maskcli.checks.heldpad import held_readings
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.real import kept_turned, stated, stated_once
+from maskcli.checks.permuted import reordered
 from maskcli.checks.registry import Rule
 from maskcli.checks.tiled import batch_part, chunk_readings
 from maskcli.text import Finding
@@ -162,6 +163,7 @@ def padding(run: Run) -> list:
                 readings = [laid]
             said = (readings[0], source, sure)
         real, source, sure = said
+        real = reordered(top, call, real)  # (the tokens sorted inside the call before it: their padding with them)
         length = real.shape[1]
         if one_at_a_time(run, call, real.sum(axis=1), lambda one: run.top(one) is top, key=id(top)):
             continue  # (the model call's lengths of a ragged batch its site attends one sequence at a time: no padding)

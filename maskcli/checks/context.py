@@ -38,6 +38,7 @@ class Top:
     stated: tuple = ()  # maskcli.checks.intent.Stated: the configs the program states its attention in (trace/stated.py)
     convs: tuple = ()  # what the call's time-mixing convolutions read of its padded frames (trace/convpad.py)
     pools: tuple = ()  # the positions each of its attention poolings weighs (trace/poolweights.py: pooledpad.py)
+    permuted: tuple = ()  # its tokens reordered in each row by a gather (trace/permuted.py: checks/permuted.py)
     rows: tuple = ()  # (name, one hash per row of its first axis) of each small tensor argument (trace/samplerows.py)
     state_writes: int | None = None  # module state assigned before the call began (trace/assigned.py: continued.py)
     pooled: list = field(default_factory=list)  # rows and positions its output was read at (trace/poolrows.py: pooledat.py)

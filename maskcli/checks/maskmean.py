@@ -24,7 +24,8 @@ def masked_mean(run: Run) -> list:
             shown = ", ".join(str(p) for p in positions[:8]) + (", ..." if len(positions) > 8 else "")
             found.append((call, Finding("mean-counts-masked", (
                 f"a sum over axis {mean['axis']} of a {tuple(mean['summed'])} tensor is divided by a {tuple(mean['mask'])} "
-                f"mask's sum, but batch row {row} sums values at position{'s' if len(positions) > 1 else ''} {shown} "
+                f"mask's sum{' (' + mean['how'] + ')' if mean.get('how') else ''}, but batch row {row} sums values at "
+                f"position{'s' if len(positions) > 1 else ''} {shown} "
                 f"the mask leaves out of its count: the mean counts masked positions (the sum not multiplied by the "
                 f"mask?)"), expected=f"0 summed at row {row}'s masked positions, as the divisor counts them",
                 source="the divisor: a mask's sum", cell=(row, positions[0], positions[0]))))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, first_cell
+from maskcli.checks.held import readings
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -28,7 +29,7 @@ def pooled_padding(run: Run) -> list:
         made = run.made_by(top) if top.pools else ()
         for pool in top.pools if made else ():
             weighed = pool["weighed"]
-            said = stated(top, *weighed.shape)
+            said = stated(top, *weighed.shape) or held_by(made, *weighed.shape)
             if said is None:
                 continue
             real, source, sure = said
@@ -39,13 +40,39 @@ def pooled_padding(run: Run) -> list:
             found.append((made[-1], Finding("pooled-over-padding", (
                 f"batch row {b}: attention pooling weights, softmaxed over axis {pool['axis']} of their "
                 f"{pool['shape']} and applied by {pool['how']}, give position {k} a weight, which the {source} "
-                f"marks as padding ({int(bad.sum())} such positions): the softmax runs over the pads (fill "
-                "their scores with -inf before it)" + ("" if sure else
+                f"marks as padding ({int(bad.sum())} such positions): " + _why(weighed, real) + ("" if sure else
                                                        f" (if token id {top.arguments.get('pad_id')} is padding there)")),
                 None if sure else "suspicious", expected="no pooling weight on a padding position", source=source,
                 cell=(b, 0, k))))
             break
     return found
+
+
+def _why(weighed: np.ndarray, real: np.ndarray) -> str:
+    """The softmax over the pads as well, or, where no real position of a row that weighs a pad keeps a weight, the
+    fill turned round."""
+    rows = (weighed & ~real).any(axis=1)
+    if (weighed[rows] & real[rows]).any():
+        return "the softmax runs over the pads (fill their scores with -inf before it)"
+    return ("no real position keeps a weight: the fill hit the real positions and left the pads (the "
+            "mask's polarity turned round: fill where it says padding)")
+
+
+def held_by(made: list, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
+    """Where the model call's arguments state no padding: the one padding mask its own attention calls held (trace/held.py,
+    named as padding where they ran: `key_padding_mask`, True = padding) over as many rows and positions, else None.
+    (CSU-MS2 hands `~(arange < num_peaks)` both to its peak attention as `src_key_padding_mask` and to its pooling.)"""
+    found = {}
+    for call in made:
+        for held in call.details.get("held_padding") or ():
+            if held["kind"] in ("keep", "pad") and held["rows"].shape == (rows, length):
+                tables = readings(held, rows, length)
+                if len(tables) == 1:
+                    found.setdefault(tables[0].tobytes(), (tables[0], f"{held['name']} its attention calls held"))
+    if len(found) != 1:
+        return None
+    real, source = next(iter(found.values()))
+    return real, source, True
 
 
 RULES = (

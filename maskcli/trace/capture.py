@@ -73,8 +73,8 @@ class Trace(Outer, Follow):
         self._local = _Local()  # busy, within, interfaces, the mode: each thread the program runs has its own
         self._lock = threading.RLock()
         self.readers = readers.watched(self)  # (the loss: what it states, no call recorded: trace/losses.py)
-        self._convs: dict = {}  # id(an outermost module call held) -> what its convolutions read (convpad.py)
-        self._pools: dict = {}  # id(an outermost module call held) -> the positions its poolings weigh (poolweights.py)
+        # id(an outermost module call held) -> what its convolutions read (convpad.py), the positions its poolings weigh
+        self._convs, self._pools, self._permuted = {}, {}, {}  # (poolweights.py); id(a frame) -> its tokens' reorderings (permuted.py)
         if "sdpa" in self.apis:
             self.readers[entry.sdpa()] = readers.sdpa
         if "mha" in self.apis:
@@ -98,7 +98,7 @@ class Trace(Outer, Follow):
         self._softmax = None  # (the (call, seen) of the softmax just recorded, for the mode to follow its output)
         self.singles = Singles()  # (the lines that softmax one element, and whether over more too: singleton.py)
         # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
-        self.watched = frozenset({*self.readers, *WATCHED, *REDUCES,
+        self.watched = frozenset({*self.readers, *WATCHED, *REDUCES, *entry.GATHERS,
                                   *((*MATMULS, *DISCARDED) if self.scores is not None else ())})
         self._followers()  # (what the mode follows beside the scores and weights: follow.py)
         self.sites = Sites()

@@ -29,7 +29,8 @@ from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.maskmean import REDUCES, reduced
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
-from maskcli.trace.poolweights import weighs_or
+from maskcli.trace.permuted import GATHERS, noted
+from maskcli.trace.poolweights import fills_or, weighs_or
 from maskcli.trace.scores import MATMULS, per_graph
 from maskcli.trace.unseen import plain, unseen
 
@@ -39,8 +40,9 @@ compiling = torch.compiler.is_dynamo_compiling
 TENSOR = {"softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
           "to": "to", "half": "half", "bfloat16": "bfloat16", "type": "type", "type_as": "type_as",
           "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "__rsub__": "__rsub__",
-          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm", "masked_fill": "masked_fill", "sum": "sum"}
-TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul", "mm", "masked_fill", "sum")
+          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm", "masked_fill": "masked_fill", "sum": "sum",
+          "gather": "gather"}
+TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul", "mm", "masked_fill", "sum", "gather")
 CANONICAL: dict = {}  # a wrapper -> the function it stands for (what the mode is handed, while it is on, for a method)
 
 
@@ -63,7 +65,7 @@ def sdpa():
     return _originals()[("F", "scaled_dot_product_attention")]
 
 
-ATTENTION, PRODUCT, CAST, SUM, FILL, REDUCE = "attention", "product", "cast", "sum", "fill", "reduce"
+ATTENTION, PRODUCT, CAST, SUM, FILL, REDUCE, PERMUTE = "attention", "product", "cast", "sum", "fill", "reduce", "permute"
 
 
 def _wrapper(trace, original, stands_for, kind: str):
@@ -73,7 +75,9 @@ def _wrapper(trace, original, stands_for, kind: str):
     if kind == SUM and stands_for in MULS:  # (or a softmax's weights weighing values: trace/poolweights.py)
         wanted = weighs_or(trace, wanted)
     if kind == FILL:
-        after = trace.after_fill
+        after, wanted = trace.after_fill, fills_or(trace, wanted)
+    if kind == PERMUTE:  # (tokens reordered in each row: trace/permuted.py keeps the permutation, nothing follows)
+        wanted = noted(trace)
 
     def wrapper(*args, **kwargs):
         if compiling():  # dynamo inlines this: nothing of the trace in its graph but a break at attention
@@ -127,7 +131,7 @@ def _sum(args: tuple, kwargs: dict, out) -> bool:
 _FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
 
 
-_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: _fill, REDUCE: reduced}
+_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: _fill, REDUCE: reduced, PERMUTE: None}
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,7 +156,8 @@ def patch(trace) -> list:
             continue
         held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
         kind = ATTENTION if stands_for in readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
-            else FILL if stands_for in FILLS else REDUCE if stands_for in REDUCES else SUM
+            else FILL if stands_for in FILLS else REDUCE if stands_for in REDUCES else PERMUTE if stands_for in GATHERS \
+            else SUM
         wrapper = _wrapper(trace, original, stands_for, kind)
         setattr(owner, name, wrapper)
         done.append((owner, name, held, wrapper))

@@ -15,6 +15,7 @@ from maskcli.trace.layouts import heads_first, reader as laid
 from maskcli.trace.maskmean import REDUCES
 from maskcli.trace.mode import Mode, building, has_values
 from maskcli.trace.after import MULS
+from maskcli.trace.permuted import GATHERS, noted
 from maskcli.trace.pooled import Pooled
 from maskcli.trace.poolweights import Pool, weighting
 from maskcli.trace.posbias import bias_of
@@ -281,6 +282,10 @@ class Follow:
             pool = weighting(self._pooled, args)  # (weights weighing values over their own axis: poolweights.py)
             if pool is not None:
                 pool.keep(self)
+        if func in DISCARDED and self._pooled is not None and self._pooled.held and not self.busy:
+            self._pooled.filled(args, out)  # (weights with positions filled out of their pooling: pooled.py)
+        if func in GATHERS and not self.busy:  # (tokens reordered in each row: permuted.py)
+            noted(self)(args, kwargs, out)
         if self.scores is not None:
             if func in TOPS:  # (a sparse top-k ranking scores along their keys: trace/ranked.py)
                 self.ranked = self.ranked or Ranked()

@@ -25,7 +25,8 @@ CACHES = ("cache", "past_key_values")  # (tops.cache_read's names)
 class Later:
     """A Top to make once the run is over: the call's arguments as copied when it ended."""
 
-    __slots__ = ("where", "module", "given", "first", "end", "held", "cached", "config", "stated", "convs", "pools")
+    __slots__ = ("where", "module", "given", "first", "end", "held", "cached", "config", "stated", "convs", "pools",
+                 "permuted")
 
     def make(self):
         """The Top, as `top` would have made it when the call ended (None where it raises: no Top, as then)."""
@@ -41,6 +42,7 @@ class Later:
             made.stated = self.stated
         made.convs = getattr(self, "convs", ())  # (what its convolutions read: trace/convpad.py)
         made.pools = getattr(self, "pools", ())  # (the positions its poolings weigh: trace/poolweights.py)
+        made.permuted = getattr(self, "permuted", ())  # (its tokens reordered by a gather: trace/permuted.py)
         return made
 
 

@@ -10,7 +10,10 @@ summed). A division of such a sum by such a count, the sum's
 first axis the mask's rows and its summed axis as long as the mask's positions, where the summed tensor is not 0 at
 some position the mask leaves out of its row's count, is recorded on the last attention call made
 (details `masked_mean`: checks/maskmean.py says it). rerankers#75: ColBERT's MaxSim summed over every query token,
-the [MASK] augmentation's too, divided by `q_mask.sum()`.
+the [MASK] augmentation's too, divided by `q_mask.sum()`. The terms may be divided first: a tensor (its first axis the
+mask's rows) divided by such a count is followed, through a product by any tensor and the calls that keep its
+elements, to its sum over an axis as long as the mask's positions (Uni-Mol#211: `delta_pos / atom_num * attn_probs`
+summed over the atom pairs, the padded atoms' too). The mask may be float 0/1 (`1 - padding_mask.type_as(x)`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from maskcli.trace.unseen import unseen
 MOST = 4096  # a count's mask elements at most
 HELD = 8  # sums remembered at once
 REDUCES = frozenset({torch.sum, torch.Tensor.sum})
-DIVISIONS = frozenset({"div", "divide", "true_divide", "__truediv__"})  # (by name: a method reaches the mode as itself)
+DIVISIONS = frozenset({"div", "divide", "true_divide", "__truediv__"})
+PRODUCTS = frozenset({"mul", "multiply", "__mul__", "__rmul__"})  # (by name: a method reaches the mode as itself)
 
 
 def reduced(args: tuple, kwargs: dict, out) -> bool:
@@ -50,10 +54,12 @@ class MaskMean:
             if func in REDUCES:
                 if reduced(args, kwargs, out):
                     with unseen():
-                        self._summed(args, kwargs, out)
+                        self._summed(args, kwargs, out, calls)
             elif len(args) > 1 and getattr(func, "__name__", "") in DIVISIONS:
                 with unseen():
-                    self._divided(args[0], args[1], calls)
+                    self._divided(args[0], args[1], out, calls)
+            elif len(args) > 1 and getattr(func, "__name__", "") in PRODUCTS:
+                self._weighed(args, out)
             else:
                 self._kept(args, kwargs, out)
         except (Exception, SystemExit):  # noqa: BLE001 - what the other followers read of this call is read still
@@ -67,45 +73,74 @@ class MaskMean:
             self._found.clear()
 
     def _kept(self, args: tuple, kwargs: dict, out) -> None:
-        """A count followed on through a call that keeps its elements (no other tensor in it)."""
-        if args and id(args[0]) in self._found and type(out) is torch.Tensor and len(args) + len(kwargs) <= 3 \
+        """A count followed on through a call that keeps its elements (no other tensor in it; a view's sizes)."""
+        if args and id(args[0]) in self._found and type(out) is torch.Tensor \
+                and (len(args) + len(kwargs) <= 3 or all(type(a) is int for a in args[1:])) \
                 and not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
             held = self._found[id(args[0])]
             if held[0]() is args[0] and out.numel() == args[0].numel():
-                self._follow(out, held[1])
+                self._follow(out, *held[1:])
 
-    def _follow(self, count: torch.Tensor, mask: np.ndarray) -> None:
+    def _follow(self, count: torch.Tensor, mask: np.ndarray, *divided) -> None:
+        """`divided`: ("divided",) where `count` is values divided by a count (a mean's terms before their sum)."""
         key = id(count)
-        self._found[key] = (weakref.ref(count, lambda _, key=key, found=self._found: found.pop(key, None)), mask)
+        self._found[key] = (weakref.ref(count, lambda _, key=key, found=self._found: found.pop(key, None)), mask,
+                            *divided)
 
-    def _summed(self, args: tuple, kwargs: dict, out) -> None:
+    def _weighed(self, args: tuple, out) -> None:
+        """Terms divided by a count, weighed by another tensor (Uni-Mol's `delta_pos / atom_num * attn_probs`): still
+        a mean's terms over the count's positions."""
+        for given in args[:2]:
+            held = self._found.get(id(given)) if type(given) is torch.Tensor else None
+            if held is not None and len(held) > 2 and held[0]() is given and type(out) is torch.Tensor \
+                    and out.dim() >= 2 and out.shape[0] == held[1].shape[0]:
+                self._follow(out, held[1], "divided")
+                return
+
+    def _summed(self, args: tuple, kwargs: dict, out, calls: list) -> None:
         x, dim = args[0], _dim(args, kwargs)
         if not -x.dim() <= dim < x.dim() or x.device.type == "meta":
             return
         dim %= x.dim()
-        if x.dim() == 2 and dim == 1 and x.numel() <= MOST and not x.is_floating_point() and not x.is_complex():
-            values = x.detach().cpu().numpy()
+        if x.dim() == 2 and dim == 1 and x.numel() <= MOST and not x.is_complex():
+            values = x.detach().cpu().numpy()  # (a float 0/1 mask too: Uni-Mol counts `1 - padding_mask.type_as(x)`)
             if ((values == 0) | (values == 1)).all() and (values == 0).any() and (values == 1).any():
                 self._follow(out, values != 0)
         keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        held = self._found.get(id(x))
+        if held is not None and len(held) > 2 and held[0]() is x and dim != 0 and x.shape[dim] == held[1].shape[1]:
+            self._check(x, held[1], dim, calls, "each term divided before the sum")
         if x.is_floating_point() and dim != 0 and not keep:
             if len(self.sums) >= HELD:
                 self.sums.pop(next(iter(self.sums)))
             self.sums[id(out)] = (weakref.ref(out), weakref.ref(x), dim)
 
-    def _divided(self, num, den, calls: list) -> None:
+    def _divided(self, num, den, out, calls: list) -> None:
         count, summed = self._found.get(id(den)), self.sums.get(id(num))
-        if count is None or summed is None or count[0]() is not den or summed[0]() is not num or not calls:
+        if count is None or len(count) > 2 or count[0]() is not den:
+            return
+        if summed is None or summed[0]() is not num:  # (terms divided before their sum: followed to it)
+            if type(num) is torch.Tensor and num.dim() >= 2 and num.shape[0] == count[1].shape[0] \
+                    and type(out) is torch.Tensor and num.is_floating_point():
+                self._follow(out, count[1], "divided")
             return
         x, mask, dim = summed[1](), count[1], summed[2]
         if x is None or x.shape[0] != mask.shape[0] or x.shape[dim] != mask.shape[1]:
+            return
+        self._check(x, mask, dim, calls)
+
+    def _check(self, x: torch.Tensor, mask: np.ndarray, dim: int, calls: list, how: str = "") -> None:
+        """Record, on the last attention call, a sum over `dim` of `x` whose values at positions `mask` leaves out of
+        its count are not 0."""
+        if not calls:
             return
         values = torch.movedim(x.detach(), dim, 1).reshape(x.shape[0], x.shape[dim], -1).cpu().numpy()
         counted = found_in(values, mask)
         if counted is not None:
             row, positions = counted
             calls[-1].details.setdefault("masked_mean", []).append({
-                "row": row, "positions": positions, "mask": list(mask.shape), "summed": list(x.shape), "axis": dim})
+                "row": row, "positions": positions, "mask": list(mask.shape), "summed": list(x.shape), "axis": dim,
+                **({"how": how} if how else {})})
 
 
 def found_in(values: np.ndarray, mask: np.ndarray) -> tuple[int, list[int]] | None:

@@ -124,6 +124,7 @@ class Outer:
         held[0] = None  # (its frame let go: the program's variables are its own again)
         convs = self._convs.pop(id(held), ())  # (what its convolutions read: trace/convpad.py)
         pools = self._pools.pop(id(held), ())  # (the positions its poolings weigh: trace/poolweights.py)
+        permuted = self._permuted.pop(id(frame), ())  # (its tokens reordered by a gather: trace/permuted.py)
         for key, value in list(self._outers.items()):
             if value is held:
                 del self._outers[key]
@@ -150,7 +151,7 @@ class Outer:
             found.stated = stated[1]
         else:  # read once the run is over (settle()), from the frames kept as it was called
             self._pending.append((found, module))
-        found.convs, found.pools = tuple(convs), tuple(pools)
+        found.convs, found.pools, found.permuted = tuple(convs), tuple(pools), tuple(permuted)
         self._tops.append(found)
         if losses:
             from maskcli.trace.losses import inside

@@ -39,9 +39,21 @@ class Pooled:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if not isinstance(dim, int) or not -out.dim() <= dim < out.dim():
             return
+        self._hold(out, dim % out.dim())
+
+    def _hold(self, out: torch.Tensor, axis: int) -> None:
         if len(self.held) >= HELD:
             self.held.pop(next(iter(self.held)))
-        self.held[id(out)] = (weakref.ref(out), dim % out.dim())
+        self.held[id(out)] = (weakref.ref(out), axis)
+
+    def filled(self, args: tuple, out) -> None:
+        """Hold an out-of-place masked_fill of held weights as weights over the same axis: the fill leaves positions
+        out of the pooling, it pools no other axis (CSU-MS2's ESA_SPEC zeroes the pads' weights after its softmax)."""
+        given = args[0] if args else None
+        if type(out) is torch.Tensor and type(given) is torch.Tensor and out.shape == given.shape:
+            axis = self._axis(given)
+            if axis is not None:
+                self._hold(out, axis)
 
     def _axis(self, tensor) -> int | None:
         """The axis a held softmax normalised `tensor` over: its result's, or a view's of every element of it (an

@@ -38,6 +38,19 @@ def weighs_or(trace, wanted):
     return either
 
 
+def fills_or(trace, wanted):
+    """entry.py's test of an out-of-place masked_fill, after holding its result where it fills held weights
+    (pooled.py's `filled`)."""
+
+    def either(args: tuple, kwargs: dict, out) -> bool:
+        pooled = trace._pooled
+        if pooled is not None and pooled.held and not trace._local.busy:
+            pooled.filled(args, out)
+        return wanted(args, kwargs, out)
+
+    return either
+
+
 def weighting(pooled, args: tuple):
     """The pooling where a product (a mul) weighs values by held weights broadcast over an axis the weights
     are 1 on, the values as long as the weights along the softmax's axis; else None."""
@@ -52,7 +65,18 @@ def weighting(pooled, args: tuple):
             continue
         if any(w == 1 and v > 1 for w, v in zip(weights.shape, values.shape)):  # (features the weights broadcast over)
             return Pool(weights, axis, "a product by values broadcast over their features")
+        if values.shape == weights.shape and values is not weights and _valued(values):
+            return Pool(weights, axis, "a product by values of their own shape (a weight per feature)")
     return None
+
+
+def _valued(values: torch.Tensor) -> bool:
+    """Floating values other than a 0/1 mask (AllenNLP's masked_softmax multiplies its weights by the mask: no
+    pooling)."""
+    if not values.is_floating_point():
+        return False
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        return bool(((values != 0) & (values != 1)).any())
 
 
 def own_axis(weights: torch.Tensor, axis: int, how: str):
