@@ -621,3 +621,20 @@ def test_random_masks_in_flash_attn_are_the_reference_cells_or_refused(case):
         assert np.array_equal(got[at:at + real.size, at:at + real.size], block)
         at, seen = at + real.size, seen + int(block.sum())
     assert got.sum() == seen  # nothing across sequences
+
+
+# hunt 9a: a 0-d cu_seqlens (IndexError), an empty cache_seqlens (ValueError) and sequences of no tokens (a mask of
+# 0 queries or 0 keys shown, exit 0) are each one line naming the field
+@pytest.mark.parametrize("tensors, says", [
+    ({"cu_seqlens": 5}, "cu_seqlens_q must be 0 then rising totals, like [0, 3, 8]; got [5] (shape [])"),
+    ({"cu_seqlens_q": [0, 0, 0], "cu_seqlens_k": [0, 3, 5]}, "cu_seqlens_q [0, 0, 0] ends at 0: the sequences hold no tokens"),
+    ({"cu_seqlens_q": [0, 3, 5], "cu_seqlens_k": [0, 0, 0]}, "cu_seqlens_k [0, 0, 0] ends at 0: the sequences hold no tokens"),
+    ({"cache_seqlens": np.zeros(0, np.int64), "seqlen_q": 1}, "cache_seqlens [] holds no key in any batch row"),
+    ({"cache_seqlens": [0, 0], "seqlen_q": 1, "causal": 1}, "cache_seqlens [0, 0] holds no key in any batch row"),
+])
+def test_flash_attn_read_refuses_a_file_of_no_tokens_in_one_line(tensors, says):
+    from maskcli.errors import MaskError
+
+    with pytest.raises(MaskError) as raised:
+        flash_attn.read({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}, {})
+    assert says in str(raised.value) and "\n" not in str(raised.value)
