@@ -638,3 +638,11 @@ def test_flash_attn_read_refuses_a_file_of_no_tokens_in_one_line(tensors, says):
     with pytest.raises(MaskError) as raised:
         flash_attn.read({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}, {})
     assert says in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_magi_read_refuses_a_0d_attn_type_map_in_one_line():
+    from maskcli.errors import MaskError
+
+    tensors = {"q_ranges": torch.tensor([[0, 4]]), "k_ranges": torch.tensor([[0, 4]]), "attn_type_map": torch.tensor(1)}
+    with pytest.raises(MaskError, match=re.escape("q_ranges and k_ranges must be (N, 2) and attn_type_map (N,); got [1, 2], [1, 2], []")):
+        magi.read(tensors, {})  # was "unexpected TypeError: len() of unsized object"
