@@ -646,3 +646,33 @@ def test_magi_read_refuses_a_0d_attn_type_map_in_one_line():
     tensors = {"q_ranges": torch.tensor([[0, 4]]), "k_ranges": torch.tensor([[0, 4]]), "attn_type_map": torch.tensor(1)}
     with pytest.raises(MaskError, match=re.escape("q_ranges and k_ranges must be (N, 2) and attn_type_map (N,); got [1, 2], [1, 2], []")):
         magi.read(tensors, {})  # was "unexpected TypeError: len() of unsized object"
+
+
+def _flex_file(**over) -> dict:
+    tensors = {"kv_num_blocks": torch.zeros(1, 1, 1, dtype=torch.int32), "kv_indices": torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+               "full_kv_num_blocks": torch.ones(1, 1, 1, dtype=torch.int32), "full_kv_indices": torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+               "block_size": torch.tensor([128, 128]), "seq_lengths": torch.tensor([8, 8])}
+    return {**tensors, **over}
+
+
+# hunt 9a: seq_lengths or block_size of the wrong length, no batch row or head (unpacking, broadcast, IndexError and
+# max() errors), and a block far longer than the mask (a repeat by 2^62 rows: "array is too big")
+@pytest.mark.parametrize("over, says", [
+    ({"seq_lengths": torch.tensor([8])}, "block_size is one or two numbers and seq_lengths two (queries, keys); got [128, 128] and [8]"),
+    ({"seq_lengths": torch.tensor([8, 8, 8])}, "got [128, 128] and [8, 8, 8]"),
+    ({"block_size": torch.tensor([128, 128, 1])}, "got [128, 128, 1] and [8, 8]"),
+    ({"kv_num_blocks": torch.zeros(0, 1, 1, dtype=torch.int32), "full_kv_num_blocks": torch.zeros(0, 1, 1, dtype=torch.int32),
+      "full_kv_indices": torch.zeros(0, 1, 1, 1, dtype=torch.int32)}, "full_kv_indices has shape [0, 1, 1, 1]: no batch row or no head"),
+    ({"kv_num_blocks": torch.zeros(1, 0, 1, dtype=torch.int32), "full_kv_num_blocks": torch.zeros(1, 0, 1, dtype=torch.int32),
+      "full_kv_indices": torch.zeros(1, 0, 1, 1, dtype=torch.int32)}, "full_kv_indices has shape [1, 0, 1, 1]: no batch row or no head"),
+])
+def test_flex_read_refuses_sizes_and_shapes_it_cannot_read_in_one_line(over, says):
+    from maskcli.errors import MaskError
+
+    with pytest.raises(MaskError, match=re.escape(says)):
+        flex.read(_flex_file(**over), {})
+
+
+def test_flex_read_of_a_block_far_longer_than_the_mask_is_the_mask():
+    m = flex.read(_flex_file(block_size=torch.tensor([2**62, 2**62])), {})
+    assert m.dense().all() and m.dense().shape == (1, 1, 8, 8)
