@@ -676,3 +676,14 @@ def test_flex_read_refuses_sizes_and_shapes_it_cannot_read_in_one_line(over, say
 def test_flex_read_of_a_block_far_longer_than_the_mask_is_the_mask():
     m = flex.read(_flex_file(block_size=torch.tensor([2**62, 2**62])), {})
     assert m.dense().all() and m.dense().shape == (1, 1, 8, 8)
+
+
+def test_a_bool_index_tensor_is_refused_as_a_float_one_is():
+    """hunt 9a: cu_seqlens [False, True, True] was read as [0, 1, 1], a mask of one cell with exit 0; flash_attn
+    refuses any cu_seqlens that is not int32."""
+    from maskcli.errors import MaskError
+
+    with pytest.raises(MaskError, match=re.escape("cu_seqlens is a bool tensor ([False, True, True]); the library takes integers (int32)")):
+        flash_attn.read({"cu_seqlens": torch.tensor([False, True, True])}, {})
+    with pytest.raises(MaskError, match="block_size is a bool tensor"):
+        flex.read(_flex_file(block_size=torch.tensor([True, True]), seq_lengths=torch.tensor([1, 1])), {})
