@@ -70,6 +70,9 @@ def parse_cell(text: str, mask: Mask, flag: str = "--why") -> list[tuple[int, in
     match = re.fullmatch(r"\s*(?:([+-]?[0-9]+)\s*,)?\s*([+-]?[0-9]+)\s*,\s*([+-]?[0-9]+)\s*", text)
     if match is None:
         raise MaskError(f"{flag} {shortened(text, 40)!r} is not a cell: {valid}, like {f.q_end - 1},{f.k_start}")
+    longest = max(len(group.lstrip("+-")) for group in match.groups() if group is not None)
+    if longest > 19:  # int() refuses past 4,300 digits; past 19 none is a position of any mask
+        raise MaskError(f"{flag} {shortened(text, 40)!r}: a number of {longest:,} digits is outside this mask: {valid}")
     b_text, q, kv = match.group(1), int(match.group(2)), int(match.group(3))
     for value, low, high, what in ((q, f.q_start, f.q_end, "queries"), (kv, f.k_start, f.k_end, "keys")):
         if not low <= value < high:

@@ -153,6 +153,8 @@ def test_layer_types_from_a_model_config():
     (["causal", "--layout", "stripped:128"], "did you mean striped?"),
     (["causal", "--layout", "per-document"], "--layout per-document needs the documents"),
     (["causal", "--layout", "striped:x"], "the stripe width is a whole number"),
+    (["causal", "--layout", f"striped:{2**63}"], f"--layout 'striped:{2**63}': the stripe width is past 1,099,511,627,776 tokens"),  # hunt 9a:
+    (["causal", "--layout", f"ptrr:{2**63}"], f"--layout 'ptrr:{2**63}': the block size is past 1,099,511,627,776 tokens"),  # OverflowError
     (["causal", "--offset", 2], "drop --offset"),
     (["causal", "--layout", "ulysses", "--ranks", 4], "--heads 1 is fewer than --ranks 4"),
     ([], "give a mask"),

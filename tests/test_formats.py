@@ -621,3 +621,69 @@ def test_random_masks_in_flash_attn_are_the_reference_cells_or_refused(case):
         assert np.array_equal(got[at:at + real.size, at:at + real.size], block)
         at, seen = at + real.size, seen + int(block.sum())
     assert got.sum() == seen  # nothing across sequences
+
+
+# hunt 9a: a 0-d cu_seqlens (IndexError), an empty cache_seqlens (ValueError) and sequences of no tokens (a mask of
+# 0 queries or 0 keys shown, exit 0) are each one line naming the field
+@pytest.mark.parametrize("tensors, says", [
+    ({"cu_seqlens": 5}, "cu_seqlens_q must be 0 then rising totals, like [0, 3, 8]; got [5] (shape [])"),
+    ({"cu_seqlens_q": [0, 0, 0], "cu_seqlens_k": [0, 3, 5]}, "cu_seqlens_q [0, 0, 0] ends at 0: the sequences hold no tokens"),
+    ({"cu_seqlens_q": [0, 3, 5], "cu_seqlens_k": [0, 0, 0]}, "cu_seqlens_k [0, 0, 0] ends at 0: the sequences hold no tokens"),
+    ({"cache_seqlens": np.zeros(0, np.int64), "seqlen_q": 1}, "cache_seqlens [] holds no key in any batch row"),
+    ({"cache_seqlens": [0, 0], "seqlen_q": 1, "causal": 1}, "cache_seqlens [0, 0] holds no key in any batch row"),
+])
+def test_flash_attn_read_refuses_a_file_of_no_tokens_in_one_line(tensors, says):
+    from maskcli.errors import MaskError
+
+    with pytest.raises(MaskError) as raised:
+        flash_attn.read({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}, {})
+    assert says in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_magi_read_refuses_a_0d_attn_type_map_in_one_line():
+    from maskcli.errors import MaskError
+
+    tensors = {"q_ranges": torch.tensor([[0, 4]]), "k_ranges": torch.tensor([[0, 4]]), "attn_type_map": torch.tensor(1)}
+    with pytest.raises(MaskError, match=re.escape("q_ranges and k_ranges must be (N, 2) and attn_type_map (N,); got [1, 2], [1, 2], []")):
+        magi.read(tensors, {})  # was "unexpected TypeError: len() of unsized object"
+
+
+def _flex_file(**over) -> dict:
+    tensors = {"kv_num_blocks": torch.zeros(1, 1, 1, dtype=torch.int32), "kv_indices": torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+               "full_kv_num_blocks": torch.ones(1, 1, 1, dtype=torch.int32), "full_kv_indices": torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+               "block_size": torch.tensor([128, 128]), "seq_lengths": torch.tensor([8, 8])}
+    return {**tensors, **over}
+
+
+# hunt 9a: seq_lengths or block_size of the wrong length, no batch row or head (unpacking, broadcast, IndexError and
+# max() errors), and a block far longer than the mask (a repeat by 2^62 rows: "array is too big")
+@pytest.mark.parametrize("over, says", [
+    ({"seq_lengths": torch.tensor([8])}, "block_size is one or two numbers and seq_lengths two (queries, keys); got [128, 128] and [8]"),
+    ({"seq_lengths": torch.tensor([8, 8, 8])}, "got [128, 128] and [8, 8, 8]"),
+    ({"block_size": torch.tensor([128, 128, 1])}, "got [128, 128, 1] and [8, 8]"),
+    ({"kv_num_blocks": torch.zeros(0, 1, 1, dtype=torch.int32), "full_kv_num_blocks": torch.zeros(0, 1, 1, dtype=torch.int32),
+      "full_kv_indices": torch.zeros(0, 1, 1, 1, dtype=torch.int32)}, "full_kv_indices has shape [0, 1, 1, 1]: no batch row or no head"),
+    ({"kv_num_blocks": torch.zeros(1, 0, 1, dtype=torch.int32), "full_kv_num_blocks": torch.zeros(1, 0, 1, dtype=torch.int32),
+      "full_kv_indices": torch.zeros(1, 0, 1, 1, dtype=torch.int32)}, "full_kv_indices has shape [1, 0, 1, 1]: no batch row or no head"),
+])
+def test_flex_read_refuses_sizes_and_shapes_it_cannot_read_in_one_line(over, says):
+    from maskcli.errors import MaskError
+
+    with pytest.raises(MaskError, match=re.escape(says)):
+        flex.read(_flex_file(**over), {})
+
+
+def test_flex_read_of_a_block_far_longer_than_the_mask_is_the_mask():
+    m = flex.read(_flex_file(block_size=torch.tensor([2**62, 2**62])), {})
+    assert m.dense().all() and m.dense().shape == (1, 1, 8, 8)
+
+
+def test_a_bool_index_tensor_is_refused_as_a_float_one_is():
+    """hunt 9a: cu_seqlens [False, True, True] was read as [0, 1, 1], a mask of one cell with exit 0; flash_attn
+    refuses any cu_seqlens that is not int32."""
+    from maskcli.errors import MaskError
+
+    with pytest.raises(MaskError, match=re.escape("cu_seqlens is a bool tensor ([False, True, True]); the library takes integers (int32)")):
+        flash_attn.read({"cu_seqlens": torch.tensor([False, True, True])}, {})
+    with pytest.raises(MaskError, match="block_size is a bool tensor"):
+        flex.read(_flex_file(block_size=torch.tensor([True, True]), seq_lengths=torch.tensor([1, 1])), {})

@@ -432,3 +432,24 @@ def test_the_refusal_holds_under_a_real_address_space_limit():
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("maskcli: error: checking a batch of 1 x 1,000,000,000 tokens") and "would need 238.4 GiB" in result.stderr
     assert result.stderr.count("\n") == 1  # refused before the work, not "ran out of memory" after it
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".pt"])
+def test_a_uint64_field_past_int64_is_refused_not_wrapped_to_a_negative(tmp_path, suffix):
+    """hunt 9a: position_ids 2^64 - 1 in a uint64 array became -1, and pack reported "their minimum (-1)", exit 0."""
+    import torch
+
+    values = np.array([[0, 1, 2**64 - 1]], np.uint64)
+    path = tmp_path / f"batch{suffix}"
+    if suffix == ".npz":
+        np.savez(path, position_ids=values)
+    else:
+        torch.save({"position_ids": torch.from_numpy(values)}, path)
+    with pytest.raises(MaskError, match=r"position_ids holds 18446744073709551615, past int64 \(9,223,372,036,854,775,807\)"):
+        read(str(path), {}, [])
+    path = tmp_path / f"fits{suffix}"
+    if suffix == ".npz":
+        np.savez(path, position_ids=np.array([[0, 1, 2, 0, 1]], np.uint64))
+    else:
+        torch.save({"position_ids": torch.tensor([[0, 1, 2, 0, 1]], dtype=torch.uint64)}, path)
+    assert read(str(path), {}, []).fields["position_ids"].tolist() == [[0, 1, 2, 0, 1]]

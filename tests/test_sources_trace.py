@@ -24,6 +24,14 @@ def test_selectors_name_a_call_by_index_or_module_path_and_step():
     assert trace.split_spec("mask.npy:3") is None and trace.split_spec("t.pt") is None
 
 
+
+@pytest.mark.parametrize("selector", ["9" * 5000, "rank" + "9" * 5000 + ":0", "layers.0.attn@" + "9" * 5000])
+def test_an_index_rank_or_step_of_thousands_of_digits_is_one_short_line(selector):
+    data = {"calls": [{"index": 0, "where": "layers.0.attn", "step": 0, "rank": 0}]}
+    with pytest.raises(MaskError) as raised:  # was "unexpected ValueError: Exceeds the limit (4300 digits)"
+        trace.select(data, selector, "t.pt")
+    assert "5,000 digits name no call, rank or step of a trace" in str(raised.value) and len(str(raised.value)) < 300
+
 def test_a_call_named_by_its_file_and_line_is_found():
     from maskcli.sources.trace import select, split_spec
 

@@ -241,3 +241,15 @@ def test_a_million_tokens_is_one_cell_of_work():
     answers = [explain(mask, b, q, kv) for b, q, kv in parse_cell("1040000,1039000", mask)]
     assert [why.keep for why in answers] == [True, False]
     assert "_intervals" not in mask.__dict__  # the cached intervals were never computed
+
+
+@pytest.mark.parametrize("cell", ["9" * 5000 + ",0", "0," + "9" * 5000, "0," + "9" * 5000 + ",0", "9" * 20 + ",0"])
+def test_a_cell_of_thousands_of_digits_is_one_short_line(tmp_path, cell):
+    """hunt 9a: a tensor's --why 99...9,0 (5,000 digits) was "unexpected ValueError: Exceeds the limit (4300 digits)"."""
+    path = tmp_path / "m.npy"
+    np.save(path, np.tril(np.ones((4, 4), bool)))
+    result = CliRunner().invoke(app, ["show", "--mask", str(path), "--why", cell])
+    assert result.exit_code == 2, result.output
+    digits = len(cell.split(",")[1 if cell.startswith("0,") else 0])
+    assert f"digits is outside this mask: give Q,KV (absolute positions, queries 0-3, keys 0-3)" in result.stderr
+    assert f"a number of {digits:,} digits" in result.stderr and len(result.stderr) < 300 and len(result.stderr.splitlines()) == 1

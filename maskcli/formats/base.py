@@ -220,6 +220,9 @@ def saved(tensors: dict, name: str, what: str, required: bool = True, index: boo
     if values.dtype.kind not in "biuf":
         raise MaskError(f"{what}: {name} is {values.dtype}, not integers: save it with maskcli export --save")
     flat = values.ravel()
+    if index and values.dtype.kind == "b":  # flash_attn: "cu_seqlens_q must have dtype int32"; read as 0/1 it was another mask
+        raise MaskError(f"{what}: {name} is a bool tensor ({flat[:8].tolist()}); the library takes integers (int32): "
+                        f"save the index tensor itself, or maskcli export --save")
     if index and values.dtype.kind == "f" and np.all(np.isfinite(flat) & (flat == np.round(flat))) and flat.size:
         # the kernels take integer index tensors and refuse a float one (flash_attn: "cu_seqlens_q must have dtype
         # int32"): reading it as the integers it holds would show a mask the library never builds

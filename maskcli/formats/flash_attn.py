@@ -80,7 +80,9 @@ def read(tensors: dict, flags: dict):
     ck = cq if ck is None else ck
     for name, c in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
         if c.ndim != 1 or c.size < 2 or c[0] != 0 or (np.diff(c) < 0).any():
-            raise _bad(f"{name} must be 0 then rising totals, like [0, 3, 8]; got {c[:8].tolist()}")
+            raise _bad(f"{name} must be 0 then rising totals, like [0, 3, 8]; got {c.ravel()[:8].tolist()} (shape {list(c.shape)})")
+        if c[-1] < 1:
+            raise _bad(f"{name} {c[:8].tolist()} ends at 0: the sequences hold no tokens; a mask has at least one query and one key")
     if cq.size != ck.size:
         raise _bad(f"cu_seqlens_q has {cq.size - 1} sequences and cu_seqlens_k {ck.size - 1}: give one length per sequence in each")
     check_rows(int(cq[-1]), what)
@@ -107,6 +109,8 @@ def _read_kvcache(tensors: dict, flags: dict):
         raise _bad(f"cache_seqlens and cache_leftpad must be one number per batch row with 0 <= leftpad <= seqlens; got {seqlens.tolist()[:8]} and {leftpad.tolist()[:8]}")
     if q_len < 1:
         raise _bad(f"seqlen_q must be 1 or more, got {q_len}")
+    if seqlens.size == 0 or seqlens.max() < 1:
+        raise _bad(f"cache_seqlens {seqlens.tolist()[:8]} holds no key in any batch row; a mask has at least one: give each row's cache length")
     check_rows(seqlens.size * q_len, what)
     causal, (left, right) = _band(tensors, flags)
     right = 0 if causal else right

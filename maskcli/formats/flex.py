@@ -135,10 +135,16 @@ def read(tensors: dict, flags: dict):
 
     what = "--from flex"
     num, full_num, full_idx = (saved(tensors, name, what) for name in ("kv_num_blocks", "full_kv_num_blocks", "full_kv_indices"))
-    q_block, kv_block = (int(x) for x in np.broadcast_to(saved(tensors, "block_size", what), (2,)))
-    q_len, k_len = (int(x) for x in saved(tensors, "seq_lengths", what))
+    sizes = {name: saved(tensors, name, what).ravel() for name in ("block_size", "seq_lengths")}
+    if sizes["block_size"].size not in (1, 2) or sizes["seq_lengths"].size != 2:
+        raise MaskError(f"{what}: block_size is one or two numbers and seq_lengths two (queries, keys); got "
+                        f"{sizes['block_size'][:8].tolist()} and {sizes['seq_lengths'][:8].tolist()}")
+    q_block, kv_block = (int(x) for x in np.broadcast_to(sizes["block_size"], (2,)))
+    q_len, k_len = (int(x) for x in sizes["seq_lengths"])
     if full_idx.ndim != 4 or num.shape != full_num.shape or full_num.shape != full_idx.shape[:3]:
         raise MaskError(f"{what}: full_kv_indices must be (B, H, n_q, n_kv) and the counts (B, H, n_q); got {list(full_idx.shape)} and {list(full_num.shape)}")
+    if 0 in full_idx.shape[:2]:
+        raise MaskError(f"{what}: full_kv_indices has shape {list(full_idx.shape)}: no batch row or no head; a mask has at least one of each")
     if (num < 0).any():
         raise MaskError(f"{what}: kv_num_blocks holds {int(num.min())}, a negative count of partial blocks: save the "
                         "BlockMask's own kv_num_blocks (each 0 .. the blocks of a row)")
@@ -159,7 +165,8 @@ def read(tensors: dict, flags: dict):
         rows = np.broadcast_to(np.arange(n_q)[:, None], chosen.shape)[chosen]
         blocks = full_idx[b, 0][chosen]
         per_block = rows_of([(rows, blocks * kv_block, np.minimum((blocks + 1) * kv_block, k_len))], n_q, 0, k_len)
-        planes.append(Intervals.of(np.repeat(per_block.starts, q_block, axis=1)[:, :q_len], np.repeat(per_block.ends, q_block, axis=1)[:, :q_len], 0, k_len))
+        block_of = np.arange(q_len) // q_block  # each query row's block (a repeat by q_block would make n_q x q_block rows)
+        planes.append(Intervals.of(per_block.starts[:, block_of], per_block.ends[:, block_of], 0, k_len))
     width = max(p.per_row for p in planes)
 
     def pad(a):

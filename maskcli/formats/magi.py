@@ -88,7 +88,7 @@ def read(tensors: dict, flags: dict):
     """q_ranges, k_ranges, attn_type_map (and total_seqlen_q/_k, else the largest range end): one packed row."""
     what = "--from magi"
     q_ranges, k_ranges, types = (saved(tensors, name, what) for name in ("q_ranges", "k_ranges", "attn_type_map"))
-    n = len(types)
+    n = types.size
     if q_ranges.shape != (n, 2) or k_ranges.shape != (n, 2) or types.ndim != 1:
         raise MaskError(f"{what}: q_ranges and k_ranges must be (N, 2) and attn_type_map (N,); got {list(q_ranges.shape)}, {list(k_ranges.shape)}, {list(types.shape)}")
     if n and (not np.isin(types, (0, 1, 2, 3)).all() or (q_ranges[:, 1] < q_ranges[:, 0]).any() or (k_ranges[:, 1] < k_ranges[:, 0]).any() or q_ranges.min() < 0 or k_ranges.min() < 0):

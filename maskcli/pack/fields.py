@@ -102,9 +102,12 @@ def _numbers(tensor, where: str) -> np.ndarray:
             raise MaskError(f"{where} is {kind}; a batch's fields are plain integers: save a dense tensor (.to_dense(), .dequantize())")
         if tensor.is_complex():
             raise MaskError(f"{where} holds complex numbers; give integers")
-        array = tensor.detach().cpu().to(torch.float64 if tensor.is_floating_point() else torch.int64).numpy()
+        unsigned = tensor.dtype in (torch.uint16, torch.uint32, torch.uint64)  # kept, so a uint64 past int64 is seen, not wrapped
+        array = tensor.detach().cpu().to(torch.float64 if tensor.is_floating_point() else tensor.dtype if unsigned else torch.int64).numpy()
     else:
         array = np.asarray(tensor)
+    if array.dtype.kind == "u" and array.size and array.max() > np.iinfo(np.int64).max:
+        raise MaskError(f"{where} holds {int(array.max())}, past int64 ({np.iinfo(np.int64).max:,}): give indices and lengths that fit int64")
     if array.dtype.kind == "f":
         bad = ~np.isfinite(array) | (array != np.round(array)) | (np.abs(array) >= 2.0**63)
         if bad.any():

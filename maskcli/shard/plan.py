@@ -13,6 +13,7 @@ from maskcli.mask import Mask
 from maskcli.shard import layouts, ranks, work
 from maskcli.shard.layouts import Layout
 
+MAX_WIDTH = 1 << 40  # a stripe or block of a trillion tokens: past every mask shard takes
 MAX_RANKS = 1024  # the (N, N) grid and its table of counts stay small (8 MB a copy); real CP groups are far smaller
 PTRR_BLOCK = 128  # FlexAttention's default block size, which _PTRRLoadBalancer reads off the BlockMask
 
@@ -77,6 +78,9 @@ def make_layout(spec: str, length: int, n: int, heads: int, docs: np.ndarray | N
             raise MaskError(f"--layout {spec!r}: the {'stripe width' if name == 'striped' else 'block size'} is a whole number, like {name}:128") from None
         if width < 1:
             raise MaskError(f"--layout {spec!r}: the {'stripe width' if name == 'striped' else 'block size'} must be at least 1, like {name}:128")
+        if width > MAX_WIDTH:  # stripe starts (width x stripe) would wrap int64
+            raise MaskError(f"--layout {spec!r}: the {'stripe width' if name == 'striped' else 'block size'} is past {MAX_WIDTH:,} "
+                            f"tokens; the mask has {length:,}: give at most that, like {name}:128")
         if name == "striped":
             return layouts.striped(length, n, width)
         return layouts.ptrr(work.touched_blocks(work.intervals_of(mask), length, width), length, n, width)

@@ -35,7 +35,7 @@ def select(data: dict, selector: str, path: str) -> dict:
     ranked = re.fullmatch(r"rank([0-9]+):(.+)", selector)
     if ranked is None:
         return _select(calls, selector, path, path)
-    rank, rest = int(ranked[1]), ranked[2]
+    rank, rest = _whole(ranked[1], path, selector), ranked[2]
     known = sorted({call["rank"] for call in calls if "rank" in call})
     if not known:
         raise MaskError(f"{path}:{selector}: the trace is of one process, with no ranks: name the call as {path}:{rest}")
@@ -46,7 +46,7 @@ def select(data: dict, selector: str, path: str) -> dict:
 
 def _select(calls: list[dict], selector: str, named: str, path: str) -> dict:
     if selector.isascii() and selector.isdigit():  # (str.isdigit takes '²' and '１', which int() refuses or reads)
-        index = int(selector)
+        index = _whole(selector, named, selector)
         if index >= len(calls):
             raise MaskError(f"{named}:{selector}: the trace has {len(calls)} calls{' of that rank' if named != path else ''}, numbered 0 to {len(calls) - 1}")
         return calls[index]
@@ -61,13 +61,23 @@ def _select(calls: list[dict], selector: str, named: str, path: str) -> dict:
             raise MaskError(f"{named}:{selector}: {selector} made {len(found)} calls (steps {steps}): name one as {named}:{selector}@STEP")
     if not at or not (step.isascii() and step.isdigit()):
         raise MaskError(f"{named}:{selector!r}: name a call by its index (like {named}:7) or as MODULE_PATH@STEP (like {named}:layers.5.self_attn@2)")
-    found = [call for call in calls if call["where"] == where and call["step"] == int(step)]
+    found = [call for call in calls if call["where"] == where and call["step"] == _whole(step, named, selector)]
     _one_rank(found, named, selector)
     if found:
         return found[0]
     known = sorted({call["where"] for call in calls})
     shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
     raise MaskError(f"{named}:{selector}: no call of {where!r} at step {step}; the trace has calls of {shown or 'nothing'}")
+
+
+def _whole(digits: str, named: str, selector: str) -> int:
+    """An index, rank or step as an int; past 18 digits (int() refuses 4,301) no trace numbers that many."""
+    if len(digits) > 18:
+        from maskcli.text import shortened
+
+        raise MaskError(f"{named}:{shortened(selector, 60)!r}: {len(digits):,} digits name no call, rank or step of a trace: "
+                        f"name a call by its index, like {named}:0")
+    return int(digits)
 
 
 def _one_rank(found: list[dict], named: str, selector: str) -> None:
