@@ -38,17 +38,19 @@ def test_sink_cache_shift_with_scaled_freqs_cis_written_another_way(tmp_path):
 
 def test_rotated_keys_are_quiet_and_scaled_ones_are_found():
     """Keys turned pair by pair (rotate_half's pairing) come back unscaled; the same turned and times 1.5 come back
-    with that factor; a new trace finds none of the last one's keys."""
+    with that factor; a new trace finds none of the last one's keys; a step that appends its own keys is not read."""
     torch.manual_seed(0)
     keys = torch.randn(1, 2, 6, 16)
     angle = torch.rand(8)
     cos, sin = torch.cat((angle, angle)).cos(), torch.cat((angle, angle)).sin()
     turned = keys * cos + torch.cat((-keys[..., 8:], keys[..., :8]), -1) * sin
     keyscale.forget()
-    assert keyscale.keys_rescaled(keys, tuple(keys.shape)) == {}
-    assert keyscale.keys_rescaled(turned, tuple(turned.shape)) == {}
-    found = keyscale.keys_rescaled(turned * 1.5, tuple(turned.shape))["keys_rescaled"]
-    assert found["factor"] == 1.5 and found["keys"] == 12 and found["of"] == 12
+    assert keyscale.keys_rescaled(keys, tuple(keys.shape), 1) == {}
+    assert keyscale.keys_rescaled(turned, tuple(turned.shape), 1) == {}
+    found = keyscale.keys_rescaled(turned * 1.5, tuple(turned.shape), 1)["keys_rescaled"]
+    assert found["factor"] == 1.5 and found["keys"] == 6 and found["of"] == 6  # (batch row 0, head 0)
     keyscale.forget()
-    assert keyscale.keys_rescaled(turned * 2, tuple(turned.shape)) == {}
+    assert keyscale.keys_rescaled(turned * 2, tuple(turned.shape), 1) == {}
+    grown = torch.cat((turned * 1.5, torch.randn(1, 2, 1, 16)), 2)  # (6 keys, then 7: its one query's own appended)
+    assert keyscale.keys_rescaled(grown, tuple(grown.shape), 1) == {}
     keyscale.forget()

@@ -27,7 +27,7 @@ def keys_rescaled(run: Run) -> list:
             continue
         done.add(call.where)
         factor = held["factor"]
-        said = (f"{call.where}: {held['keys']} of the {held['of']} keys this call reads (batch x heads x keys) are keys an "
+        said = (f"{call.where}: {held['keys']} of the {held['of']} keys of batch row 0's first head this call reads are keys an "
                 f"earlier call read, each with the same direction in every rotary pair and every pair's norm times "
                 f"{factor:g}: moving a cached key to another position is a rotation, which keeps each pair's norm, so "
                 f"these were scaled on the way and every query now gives them {factor:g} times the logit it gave them "

@@ -327,7 +327,7 @@ class Trace(Outer, Follow):
             self.busy = False
 
     def _record(self, reader, args, kwargs) -> None:
-        site, where = self.sites.current()
+        site, where = keyreads.at(*self.sites.current())  # (the site keys are compared within: keyscale.py)
         caller = site[2] if site[0] == "line" else None
         site = site if caller is None else site[:2]  # steps count per function line, wherever it was called from
         grad = torch.is_grad_enabled()

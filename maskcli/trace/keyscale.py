@@ -9,61 +9,74 @@ re-rotation made with a rotary's cos/sin that carry YaRN's `attention_scaling`: 
 attention_scaling²): its logits are c times what the kernel gave the same key before, against the fresh keys of the
 same call that are not.
 
-Recorded per SDPA call: each key row's pair norms divided by its norm (rounded: the key's direction within its pairs,
-which no rotation and no scaling changes) looked up among those of the last KEPT calls' keys; a row found there gives
-the ratio of its norm to the earlier one's. Where two rows or more come back scaled, all by one factor c (not 1),
-details `keys_rescaled` says c, how many, how many came back at all, and of how many keys. Read only on the CPU, for
-float32/float64 keys (bfloat16's rounding is larger than any tolerance here) of at most ROWS rows (batch x heads x
-keys): a cheap look for small runs, none for large caches.
+Read at an SDPA call whose keys are not its site's last call's keys with this call's own appended (a cache pruned,
+shifted or rebuilt between two calls of one layer; capture.py names the site through `at`): each key row's pair
+norms divided by its norm (rounded: the key's direction within its pairs, which no rotation and no scaling changes)
+looked up among those of the site's last call's keys; a row found there gives the ratio of its norm to the earlier
+one's. Where two rows or more come back scaled, all by one factor c (not 1), details `keys_rescaled` says c, how
+many, how many came back at all, and of how many keys. A call that appends to its site's keys (a decode step) costs
+a lookup and nothing more. Read only on the CPU, for float32/float64 keys (bfloat16's rounding is larger than any
+tolerance here), and only batch row 0's first head, of at most ROWS keys: a press moves every head's keys alike.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 import torch
 
-ROWS = 1024  # key rows (B x H x L) read at most per call
-KEPT = 16  # calls whose key rows are kept to be found again
+ROWS = 1024  # keys of batch row 0's first head read at most per call
 DIGITS = 3  # decimals of a row's direction within its pairs (its lookup key)
 TOLERANCE = 1e-4  # relative spread of one factor (float32 rotations keep norms to ~1e-6)
 SCALED = 1e-3  # a factor this far from 1 or further is a scaling
 
-_HELD: tuple[deque, deque] = (deque(), deque())  # per pairing ("half", "interleaved"), the last KEPT calls' rows:
-# (their directions' hashes sorted, each one's norm), newest last
+_SITE: list = [None]  # the site of the call being read (set by `at`, from capture.py)
+_LAST: dict = {}  # site -> (its last call's keys of batch row 0's first head, their count)
 _MULTIPLIERS: dict[int, np.ndarray] = {}  # a direction's length -> the odd int64 weights that hash it
 
 
-def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
-    """{"keys_rescaled": {...}} where keys of earlier calls come back scaled by one factor, else {}; this call's key
-    rows are kept to be found again. (Each row's direction is hashed to one int64 and looked up with numpy: a Python
-    lookup a row cost milliseconds a call at ROWS rows.)"""
-    if len(k_shape) != 4 or k_shape[-1] % 2 or k_shape[-1] < 8 or k_shape[0] * k_shape[1] * k_shape[2] > ROWS:
+def at(site: tuple, where: str) -> tuple:
+    """(site, where) of the call about to be read, kept as the site keys_rescaled compares within."""
+    _SITE[0] = site
+    return site, where
+
+
+def keys_rescaled(k: torch.Tensor, k_shape: tuple, q_len: int) -> dict:
+    """{"keys_rescaled": {...}} where keys of the site's last call come back scaled by one factor, else {}."""
+    if len(k_shape) != 4 or k_shape[-1] % 2 or k_shape[-1] < 8 or k_shape[2] > ROWS or not k_shape[0] * k_shape[1]:
         return {}
     try:
         if not k.is_cpu or type(k) is not torch.Tensor or k.dtype not in (torch.float32, torch.float64):
             return {}
-        squares = np.square(k.detach().reshape(-1, k_shape[-1]).numpy())
+        plane = k.detach()[0, 0]
+        site = _SITE[0]
+        last = _LAST.get(site)
+        _LAST[site] = (plane, k_shape[2])
+        if last is None or k_shape[2] == last[1] + q_len or plane.data_ptr() == last[0].data_ptr():
+            return {}  # (the site's first call, a step that appends its own keys, one buffer written in place)
+        before, now = np.square(last[0].numpy()), np.square(plane.numpy())
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states no key
         return {}
-    half = k_shape[-1] // 2
+    if before.shape[1] != now.shape[1]:
+        return {}
+    found = None
+    for pairing in (0, 1):
+        held = dict(zip(*_directions(before, pairing)))
+        back = [(key, norm / held[key]) for key, norm in zip(*_directions(now, pairing)) if key in held]
+        found = found or (_scaled(back, int(now.shape[0])) if len(back) > 1 else None)
+    return {"keys_rescaled": found} if found else {}
+
+
+def _directions(squares: np.ndarray, pairing: int) -> tuple[list, list]:
+    """(hash of each row's direction within its pairs, its norm) for rows not all alike, pairing 0 as rotate_half
+    pairs (d, d + D/2), 1 interleaved (2d, 2d + 1)."""
+    half = squares.shape[1] // 2
+    pairs = (squares[:, :half], squares[:, half:]) if pairing == 0 else (squares[:, 0::2], squares[:, 1::2])
     total = np.sqrt(squares.sum(axis=1, dtype=np.float64))
     usable = total > 1e-6
-    found = None
-    for held, pairs in zip(_HELD, ((squares[:, :half], squares[:, half:]), (squares[:, 0::2], squares[:, 1::2]))):
-        norms = np.sqrt(pairs[0] + pairs[1])
-        directions = np.rint(norms[usable] / total[usable, None] * 10 ** DIGITS).astype(np.int64)  # (DIGITS decimals)
-        varied = np.ptp(directions, axis=1) > 1  # (pairs all alike, `ones`: any such row is any other)
-        hashes = (directions[varied] * _weights(half)).sum(axis=1)  # (int64 wraps: a hash, not a sum)
-        totals = total[usable][varied]
-        ratios, keys = _back(held, hashes, totals)
-        found = found or _scaled(keys, ratios, int(squares.shape[0]))
-        order = np.argsort(hashes, kind="stable")
-        held.append((hashes[order], totals[order]))
-        if len(held) > KEPT:
-            held.popleft()
-    return {"keys_rescaled": found} if found else {}
+    norms = np.sqrt(pairs[0] + pairs[1])
+    directions = np.rint(norms[usable] / total[usable, None] * 10 ** DIGITS).astype(np.int64)  # (DIGITS decimals)
+    varied = np.ptp(directions, axis=1) > 1  # (pairs all alike, `ones`: any such row is any other)
+    return (directions[varied] @ _weights(half)).tolist(), total[usable][varied].tolist()  # (int64 wraps: a hash)
 
 
 def _weights(length: int) -> np.ndarray:
@@ -73,32 +86,18 @@ def _weights(length: int) -> np.ndarray:
     return weights
 
 
-def _back(held: deque, hashes: np.ndarray, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(ratio of each row found to its norm when last read, its hash) for this call's rows an earlier kept call read
-    (the newest that did)."""
-    ratio = np.full(hashes.shape, np.nan)
-    todo = np.ones(hashes.shape, bool)
-    for before, norms in reversed(held):
-        if not before.size or not todo.any():
-            continue
-        at = np.minimum(np.searchsorted(before, hashes), before.size - 1)
-        hit = todo & (before[at] == hashes)
-        ratio[hit] = totals[hit] / norms[at[hit]]
-        todo &= ~hit
-    return ratio[~todo], hashes[~todo]
-
-
 def forget() -> None:
     """A trace ended: its keys let go (another trace's keys, the same program --fixed, must find none of them)."""
-    for held in _HELD:
-        held.clear()
+    _LAST.clear()
+    _SITE[0] = None
 
 
-def _scaled(keys: np.ndarray, ratios: np.ndarray, rows: int) -> dict | None:
-    """The factor the rows that came back scaled (their hashes, ratios) share, where two or more of other directions
-    did and it is one; else None."""
+def _scaled(back: list, rows: int) -> dict | None:
+    """The factor the rows that came back scaled (hash, ratio) share, where two or more of other directions did and it
+    is one; else None."""
+    ratios = np.asarray([ratio for _, ratio in back], dtype=np.float64)
     scaled = np.abs(ratios - 1) > SCALED
-    off, directions = ratios[scaled], keys[scaled]
+    off, directions = ratios[scaled], np.asarray([key for key, _ in back], dtype=np.int64)[scaled]
     if not (directions != directions[:1]).any() or np.abs(off - off[0]).max() > TOLERANCE * off[0]:
         return None
     return {"factor": round(float(off.mean()), 4), "keys": int(off.size), "found": int(ratios.size), "of": rows}
