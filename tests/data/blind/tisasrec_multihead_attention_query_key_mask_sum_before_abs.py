@@ -1,4 +1,4 @@
-# TiSASRec (JiachengLi1995/TiSASRec#1, "fix a small bug for mask generation"): modules.multihead_attention
+# TiSASRec (JiachengLi1995/TiSASRec#1 commit 1bd63d0, typo completed by #2 commit 9a34c20): modules.multihead_attention
 # built key/query masks as sign(abs(reduce_sum(x))) instead of sign(reduce_sum(abs(x))), so a real item whose
 # (layer-normalized) vector sums to exactly 0 is treated as padding. TF ops ported 1:1 to torch.
 import sys
