@@ -461,3 +461,19 @@ def test_a_thread_printing_in_a_loop_is_stopped_at_its_next_write_holding_no_loc
     assert text.endswith("main done\n") and len(text) == size + len("main done\n")
     assert set(text.splitlines()[:-1]) == {"spam " * 8}
     stream.close()
+
+
+@pytest.mark.parametrize(("body", "stdout", "stderr"), [
+    # str() of the code raises: python writes the newline alone (trace: "unexpected RuntimeError ... a maskcli bug")
+    ("class Code:\n    def __str__(self):\n        raise RuntimeError('no str')\nsys.exit(Code())\n", "", "\n"),
+    ("sys.stderr = None\nsys.exit('bye')\n", "", "bye\n"),  # python writes it to fd 2 (trace printed it on stdout)
+    ("sys.stderr.close()\nsys.exit('bye')\n", "", "\n"),  # the newline on fd 2 (trace exited 2, saying nothing)
+])
+def test_sys_exit_with_a_message_that_cannot_be_printed_ends_as_under_python(tmp_path, body, stdout, stderr):
+    """Hunt 9b: sys.exit(CODE) with a CODE that is no int: str(CODE) and a newline on sys.stderr, fd 2 where it is
+    None, dropped where it cannot be written (the newline then on fd 2), and status 1 always, as Python's handle_system_exit does."""
+    write(tmp_path / "ends.py", "import sys\n" + body)
+    plain, traced = run_both(tmp_path, ["ends.py"])
+    assert plain.returncode == traced.returncode == 1
+    assert plain.stdout == traced.stdout == stdout
+    assert plain.stderr == stderr and traced.stderr.startswith(stderr + REPORT + "ends.py: 0 attention calls")

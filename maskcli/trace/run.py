@@ -117,7 +117,7 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
             return 0
         if isinstance(code, int):
             return code
-        print(code, file=sys.stderr)  # sys.exit("message") prints it and exits 1, as Python does
+        _say_exit(code)  # sys.exit("message") prints it and exits 1, as Python does
         return 1
     except KeyboardInterrupt:
         _print_traceback()
@@ -139,6 +139,22 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
             sys.modules.setdefault(name, module)  # register its operators twice (RuntimeError) in the trace's report
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
             os.chdir(saved_folder)
+
+
+def _say_exit(code) -> None:
+    """sys.exit(CODE) that is no int, as Python ends it (pythonrun.c handle_system_exit): str(CODE) on sys.stderr, or on
+    fd 2 where the program set it to None, dropped where its str raises or the stream fails; then a newline, on fd 2
+    where sys.stderr cannot take it (PySys_WriteStderr). Never the trace's error: the status is 1 whatever happens."""
+    with contextlib.suppress(Exception, SystemExit):  # the program's object or stream: Python drops the error too
+        if sys.stderr is None:
+            os.write(2, str(code).encode("utf-8", "backslashreplace"))
+        else:
+            sys.stderr.write(str(code))
+    try:
+        sys.stderr.write("\n")
+    except (Exception, SystemExit):  # noqa: BLE001 - None, closed, or a writer that raises
+        with contextlib.suppress(OSError):
+            os.write(2, b"\n")
 
 
 def _limit_from_the_programs_frame(headroom: int = 100) -> None:
