@@ -477,3 +477,19 @@ def test_sys_exit_with_a_message_that_cannot_be_printed_ends_as_under_python(tmp
     assert plain.returncode == traced.returncode == 1
     assert plain.stdout == traced.stdout == stdout
     assert plain.stderr == stderr and traced.stderr.startswith(stderr + REPORT + "ends.py: 0 attention calls")
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    ("builtins.int = None\nsys.exit(3)\n", 3),  # trace: "unexpected TypeError: isinstance() arg 2 must be a type"
+    ("builtins.str = None\nsys.exit('bye')\n", 1),  # trace dropped the message
+    ("builtins.len = None\nraise ValueError('v')\n", 1),  # trace: "unexpected TypeError: 'NoneType' object ..."
+    ("builtins.isinstance = None\nraise ValueError('v')\n", 1),  # trace: "Error in sys.excepthook:" (Typer's hook)
+    ("sys.excepthook = lambda *a: print('hook', len(a))\nbuiltins.len = lambda x: 42\nraise ValueError('v')\n", 1),
+])
+def test_a_program_that_replaces_builtins_ends_as_under_python(tmp_path, body, status):
+    """Hunt 9b: python reads a program's exit and prints its traceback in C, whatever it made of int, str, len or
+    isinstance; trace read them with the program's builtins. Its own sys.excepthook still runs with them."""
+    write(tmp_path / "ends.py", "import builtins\nimport sys\n" + body)
+    plain, traced = run_both(tmp_path, ["ends.py"])
+    assert plain.returncode == traced.returncode == status and plain.stdout == traced.stdout
+    assert traced.stderr.startswith(plain.stderr + REPORT + "ends.py: 0 attention calls")

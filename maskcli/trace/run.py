@@ -18,6 +18,7 @@ import warnings
 
 from maskcli.errors import MaskError
 
+_dict, _vars, _setattr = dict, vars, setattr  # the real ones, whatever the program does to the builtins module
 HERE = os.path.dirname(os.path.abspath(__file__))  # maskcli/trace: the recording wrappers the program's calls pass through
 
 
@@ -102,14 +103,18 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     warnings.showwarning = _as_the_programs(saved_show)
     limits = sys.setrecursionlimit, sys.getrecursionlimit, sys.getrecursionlimit()
     _limit_from_the_programs_frame()
+    ours = dict(vars(builtins))
     try:
-        if module is not None:
-            sys.argv = [module, *args]
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(module, run_name="__main__", alter_sys=True, init_globals={"__builtins__": builtins})
-        else:
-            sys.argv = [script, *args]
-            _run_script(script)
+        try:
+            if module is not None:
+                sys.argv = [module, *args]
+                sys.path.insert(0, os.getcwd())
+                runpy.run_module(module, run_name="__main__", alter_sys=True, init_globals={"__builtins__": builtins})
+            else:
+                sys.argv = [script, *args]
+                _run_script(script)
+        finally:  # python reads its exit and prints its traceback in C, whatever the program made of int, len or id
+            theirs = _put_builtins(ours)
         return 0
     except SystemExit as stop:
         code = stop.code
@@ -120,12 +125,12 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         _say_exit(code)  # sys.exit("message") prints it and exits 1, as Python does
         return 1
     except KeyboardInterrupt:
-        _print_traceback()
+        _print_traceback(theirs, saved_hook)
         global interrupted
         interrupted = True  # python then ends by SIGINT, not exit(130): commands.main does the same after the report
         return 130
     except BaseException:  # noqa: BLE001 - the program's own error: Python would print it and exit 1
-        _print_traceback()
+        _print_traceback(theirs, saved_hook)
         return 1
     finally:
         programs = sys.getrecursionlimit()  # (the limit the program set, counted from its own first frame)
@@ -139,6 +144,16 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
             sys.modules.setdefault(name, module)  # register its operators twice (RuntimeError) in the trace's report
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
             os.chdir(saved_folder)
+
+
+def _put_builtins(values: dict) -> dict:
+    """What the builtins module holds, after `values` are put back in it (names the program added stay: its atexit
+    code and its threads may use them). Reads and writes it with functions bound when maskcli imported this module."""
+    held = _dict(_vars(builtins))
+    for name, value in values.items():
+        if held.get(name) is not value:
+            _setattr(builtins, name, value)
+    return held
 
 
 def _say_exit(code) -> None:
@@ -241,9 +256,10 @@ def _ours(tb) -> bool:
         os.path.abspath(name) == os.path.abspath(runpy.__file__)
 
 
-def _print_traceback() -> None:
+def _print_traceback(theirs: dict, before) -> None:
     """The traceback as Python prints it: the program's frames and the libraries', none of maskcli's (its wrappers sit
-    between the program's call and torch's function) nor runpy's, in the error and in those chained to it."""
+    between the program's call and torch's function) nor runpy's, in the error and in those chained to it; the
+    program's own sys.excepthook (not the one it began with: Typer's) called with the builtins it left (`theirs`)."""
     kind, error, tb = sys.exc_info()
     seen = set()
     chained = error
@@ -252,14 +268,18 @@ def _print_traceback() -> None:
         chained.__traceback__ = _without_ours(chained.__traceback__)
         chained = chained.__cause__ or chained.__context__
     hook = sys.excepthook
-    if hook is not sys.__excepthook__ and hook is not None:  # the program's own hook, which python calls instead
+    if hook not in (sys.__excepthook__, None, before):  # the program's own hook, which python calls instead
+        ours = _put_builtins(theirs)
         try:
             hook(kind, error, error.__traceback__)
             return
         except BaseException as failed:  # noqa: BLE001 - python's words for a hook that raises, then the error itself
+            _put_builtins(ours)
             print("Error in sys.excepthook:", file=sys.stderr)
             traceback.print_exception(type(failed), failed, _without_ours(failed.__traceback__), file=sys.stderr, chain=False)
             print("\nOriginal exception was:", file=sys.stderr)
+        finally:
+            _put_builtins(ours)
     traceback.print_exception(kind, error, error.__traceback__, file=sys.stderr)
 
 
