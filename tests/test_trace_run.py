@@ -493,3 +493,13 @@ def test_a_program_that_replaces_builtins_ends_as_under_python(tmp_path, body, s
     plain, traced = run_both(tmp_path, ["ends.py"])
     assert plain.returncode == traced.returncode == status and plain.stdout == traced.stdout
     assert traced.stderr.startswith(plain.stderr + REPORT + "ends.py: 0 attention calls")
+
+
+@pytest.mark.parametrize("target", [["names.py"], ["-m", "names"]])
+def test_the_programs_main_holds_pythons_names_with_an_empty_annotations(tmp_path, target):
+    """Hunt 9b: python's __main__ holds __annotations__ = {} (a program printing it, or typing.get_type_hints of its
+    module, ended in NameError under trace)."""
+    write(tmp_path / "names.py", "print(sorted(name for name in globals() if name.startswith('__')), __annotations__)\n")
+    plain, traced = run_both(tmp_path, target)
+    assert plain.returncode == traced.returncode == 0 and traced.stdout == plain.stdout
+    assert "'__annotations__'" in traced.stdout

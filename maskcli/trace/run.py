@@ -109,7 +109,8 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
             if module is not None:
                 sys.argv = [module, *args]
                 sys.path.insert(0, os.getcwd())
-                runpy.run_module(module, run_name="__main__", alter_sys=True, init_globals={"__builtins__": builtins})
+                runpy.run_module(module, run_name="__main__", alter_sys=True,
+                                 init_globals={"__builtins__": builtins, "__annotations__": {}})
             else:
                 sys.argv = [script, *args]
                 _run_script(script)
@@ -221,7 +222,7 @@ def _as_the_programs(show):
 
 def _run_script(script: str) -> None:
     """`python SCRIPT`: __file__ absolute as given (not normalised), a SourceFileLoader named __main__, no __spec__,
-    the builtins module as __builtins__; sys.path[0] the script's folder with links resolved
+    the builtins module as __builtins__, an empty __annotations__; sys.path[0] the script's folder with links resolved
     (Python/pathconfig.c _PyPathConfig_ComputeSysPath0); the code compiled under its absolute name, as its
     tracebacks show it. It runs in a module of its own put in sys.modules['__main__'] while it runs (runpy's way)."""
     import importlib.machinery
@@ -238,7 +239,7 @@ def _run_script(script: str) -> None:
         code, loader = compile(data, path, "exec", dont_inherit=True), importlib.machinery.SourceFileLoader("__main__", path)
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=path, __cached__=None, __loader__=loader, __spec__=None, __package__=None,
-                         __builtins__=builtins)
+                         __builtins__=builtins, __annotations__={})  # (python's __main__ holds an empty __annotations__)
     sys.path.insert(0, os.path.dirname(os.path.realpath(path)))
     before = sys.modules.get("__main__")
     sys.modules["__main__"] = main
