@@ -503,3 +503,20 @@ def test_the_programs_main_holds_pythons_names_with_an_empty_annotations(tmp_pat
     plain, traced = run_both(tmp_path, target)
     assert plain.returncode == traced.returncode == 0 and traced.stdout == plain.stdout
     assert "'__annotations__'" in traced.stdout
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    ("import traceback\ntraceback.print_exception = None\nraise ValueError('v')\n", 1),
+    ("sys.exc_info = None\nraise ValueError('v')\n", 1),
+    ("import os.path\nos.path.abspath = None\nraise ValueError('v')\n", 1),
+    ("import os\nos.chdir = None\n", 0),
+    ("import contextlib\ncontextlib.suppress = None\nsys.exit('bye')\n", 1),
+    ("sys.path = None\n", 0),
+])
+def test_a_program_that_replaces_what_the_trace_calls_after_it_ends_as_under_python(tmp_path, body, status):
+    """Hunt 9b: trace's own code after the program (its traceback, its exit message, going back to the folder it
+    began in, sys.path put back) called what the program had replaced: "unexpected TypeError ... a maskcli bug"."""
+    write(tmp_path / "ends.py", "import sys\n" + body)
+    plain, traced = run_both(tmp_path, ["ends.py"])
+    assert plain.returncode == traced.returncode == status and plain.stdout == traced.stdout
+    assert traced.stderr.startswith(plain.stderr + REPORT + "ends.py: 0 attention calls")

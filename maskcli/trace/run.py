@@ -104,6 +104,9 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     limits = sys.setrecursionlimit, sys.getrecursionlimit, sys.getrecursionlimit()
     _limit_from_the_programs_frame()
     ours = dict(vars(builtins))
+    tools = {tool: dict(vars(tool)) for tool in (os, os.path, traceback, contextlib, runpy)}  # what maskcli's
+    tools[sys] = {name: value for name, value in vars(sys).items()  # code after the program calls (not the hooks:
+                  if callable(value) and not name.endswith("hook")}  # the program's excepthook is called as python does)
     try:
         try:
             if module is not None:
@@ -116,6 +119,8 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
                 _run_script(script)
         finally:  # python reads its exit and prints its traceback in C, whatever the program made of int, len or id
             theirs = _put_builtins(ours)
+            for tool, values in tools.items():  # (os.chdir, sys.exc_info, traceback.print_exception the program
+                _put_builtins(values, tool)  # replaced: python's own ending calls none of them)
         return 0
     except SystemExit as stop:
         code = stop.code
@@ -139,7 +144,8 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         sys.setrecursionlimit(max(limits[2], programs))  # (not the raised one: each traced run would raise it again)
         if getattr(warnings.showwarning, "__wrapped__", None) is saved_show:  # (one the program set stays its own)
             warnings.showwarning = saved_show
-        sys.argv, sys.path[:] = saved_argv, saved_path
+        sys.argv, sys.path = saved_argv, sys.path if isinstance(sys.path, list) else []  # (sys.path = None)
+        sys.path[:] = saved_path
         sys.excepthook = saved_hook  # a hook the program set (torch.distributed's "[rank0]:" prefix) ends with it
         for name, module in modules.items():  # a program that del sys.modules["torch"]: importing torch again would
             sys.modules.setdefault(name, module)  # register its operators twice (RuntimeError) in the trace's report
@@ -147,13 +153,14 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
             os.chdir(saved_folder)
 
 
-def _put_builtins(values: dict) -> dict:
-    """What the builtins module holds, after `values` are put back in it (names the program added stay: its atexit
-    code and its threads may use them). Reads and writes it with functions bound when maskcli imported this module."""
-    held = _dict(_vars(builtins))
+def _put_builtins(values: dict, module=builtins) -> dict:
+    """What the builtins module (or `module`) holds, after `values` are put back in it (names the program added stay:
+    its atexit code and its threads may use them). Reads and writes it with functions bound when maskcli imported
+    this module."""
+    held = _dict(_vars(module))
     for name, value in values.items():
         if held.get(name) is not value:
-            _setattr(builtins, name, value)
+            _setattr(module, name, value)
     return held
 
 
