@@ -520,3 +520,21 @@ def test_a_program_that_replaces_what_the_trace_calls_after_it_ends_as_under_pyt
     plain, traced = run_both(tmp_path, ["ends.py"])
     assert plain.returncode == traced.returncode == status and plain.stdout == traced.stdout
     assert traced.stderr.startswith(plain.stderr + REPORT + "ends.py: 0 attention calls")
+
+
+def test_a_program_that_replaces_json_tempfile_or_numpy_still_gets_its_trace_written(tmp_path):
+    """Hunt 9b: --json and --save wrote with the program's json.dump, tempfile.mkstemp and numpy: "unexpected
+    TypeError ... a maskcli bug", or "cannot write ...: TypeError (is the disk full?)", and no file."""
+    write(tmp_path / "swaps.py", """
+        import json, tempfile
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        json.dump, tempfile.mkstemp, np.packbits, np.asarray = None, None, None, None
+    """)
+    plain, traced = run_both(tmp_path, ["swaps.py"], ["--json", "calls.json", "--save", "calls.pt"])
+    assert plain.returncode == traced.returncode == 0, traced.stderr
+    assert json.loads((tmp_path / "calls.json").read_text())["calls"][0]["api"] == "sdpa"
+    assert (tmp_path / "calls.pt").stat().st_size > 0

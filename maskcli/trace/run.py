@@ -104,9 +104,14 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     limits = sys.setrecursionlimit, sys.getrecursionlimit, sys.getrecursionlimit()
     _limit_from_the_programs_frame()
     ours = dict(vars(builtins))
-    tools = {tool: dict(vars(tool)) for tool in (os, os.path, traceback, contextlib, runpy)}  # what maskcli's
-    tools[sys] = {name: value for name, value in vars(sys).items()  # code after the program calls (not the hooks:
-                  if callable(value) and not name.endswith("hook")}  # the program's excepthook is called as python does)
+    import json
+    import tempfile
+
+    import numpy
+
+    tools = {tool: dict(vars(tool)) for tool in (os, os.path, traceback, contextlib, runpy, json, tempfile, numpy)}
+    tools[sys] = {name: value for name, value in vars(sys).items()  # what maskcli's code after the program calls (not
+                  if callable(value) and not name.endswith("hook")}  # the hooks: the program's excepthook runs as python's)
     try:
         try:
             if module is not None:
@@ -119,8 +124,8 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
                 _run_script(script)
         finally:  # python reads its exit and prints its traceback in C, whatever the program made of int, len or id
             theirs = _put_builtins(ours)
-            for tool, values in tools.items():  # (os.chdir, sys.exc_info, traceback.print_exception the program
-                _put_builtins(values, tool)  # replaced: python's own ending calls none of them)
+            for tool, values in tools.items():  # (os.chdir, sys.exc_info, traceback.print_exception, json.dump,
+                _put_builtins(values, tool)  # tempfile.mkstemp the program replaced: python's own ending calls none)
         return 0
     except SystemExit as stop:
         code = stop.code
