@@ -538,3 +538,13 @@ def test_a_program_that_replaces_json_tempfile_or_numpy_still_gets_its_trace_wri
     assert plain.returncode == traced.returncode == 0, traced.stderr
     assert json.loads((tmp_path / "calls.json").read_text())["calls"][0]["api"] == "sdpa"
     assert (tmp_path / "calls.pt").stat().st_size > 0
+
+
+def test_the_largest_recursion_limit_python_takes_is_taken_and_read_back(tmp_path):
+    """Hunt 9b: sys.setrecursionlimit(2**31 - 1) runs under python; trace added its own frames to it and raised
+    "OverflowError: Python int too large to convert to C int" in the program."""
+    write(tmp_path / "top.py", "import sys\nsys.setrecursionlimit(2**31 - 1)\nprint(sys.getrecursionlimit())\n"
+                               "sys.setrecursionlimit(2**31)\n")
+    plain, traced = run_both(tmp_path, ["top.py"])
+    assert plain.returncode == traced.returncode == 1 and plain.stdout == traced.stdout == f"{2**31 - 1}\n"
+    assert "OverflowError" in plain.stderr and traced.stderr.startswith(plain.stderr)

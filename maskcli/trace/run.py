@@ -153,7 +153,8 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         sys.path[:] = saved_path
         sys.excepthook = saved_hook  # a hook the program set (torch.distributed's "[rank0]:" prefix) ends with it
         for name, module in modules.items():  # a program that del sys.modules["torch"]: importing torch again would
-            sys.modules.setdefault(name, module)  # register its operators twice (RuntimeError) in the trace's report
+            if sys.modules.get(name) is None:  # register its operators twice (RuntimeError) in the trace's report;
+                sys.modules[name] = module  # (one the program set to None: "import of numpy halted")
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
             os.chdir(saved_folder)
 
@@ -197,14 +198,18 @@ def _limit_from_the_programs_frame(headroom: int = 100) -> None:
     below += headroom
     real_set, real_get = sys.setrecursionlimit, sys.getrecursionlimit
 
+    top = 2**31 - 1  # python's largest (a C int): a program may set it, and read it back
+    asked = [None]
+
     def setrecursionlimit(limit, /):
         limit = operator.index(limit)
         if limit < 1:
             raise ValueError("recursion limit must be greater or equal than 1")
-        real_set(limit + below)
+        real_set(limit if limit > top else min(limit + below, top))  # (past top: python's OverflowError)
+        asked[0] = limit
 
     def getrecursionlimit():
-        return real_get() - below
+        return asked[0] if real_get() == top and asked[0] is not None else real_get() - below
 
     real_set(real_get() + below)
     sys.setrecursionlimit, sys.getrecursionlimit = setrecursionlimit, getrecursionlimit
