@@ -548,3 +548,12 @@ def test_the_largest_recursion_limit_python_takes_is_taken_and_read_back(tmp_pat
     plain, traced = run_both(tmp_path, ["top.py"])
     assert plain.returncode == traced.returncode == 1 and plain.stdout == traced.stdout == f"{2**31 - 1}\n"
     assert "OverflowError" in plain.stderr and traced.stderr.startswith(plain.stderr)
+
+
+def test_a_program_that_blocks_numpy_in_sys_modules_still_gets_its_report(tmp_path):
+    """Hunt 9b: sys.modules["numpy"] = None, left by the program, stopped the report: "unexpected ModuleNotFoundError:
+    import of numpy halted; None in sys.modules (a maskcli bug ...)", exit 2."""
+    write(tmp_path / "blocks.py", "import sys\nsys.modules['numpy'] = None\nprint('blocked')\n")
+    plain, traced = run_both(tmp_path, ["blocks.py"])
+    assert plain.returncode == traced.returncode == 0 and plain.stdout == traced.stdout == "blocked\n"
+    assert traced.stderr.startswith(REPORT + "blocks.py: 0 attention calls")
