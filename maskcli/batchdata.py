@@ -90,7 +90,8 @@ def tokens(text) -> tuple[str, ...]:
         words = text.split()
     if not words:
         raise MaskError(f"--tokens {shortened(str(text), 60)!r} has no words: give one word per position")
-    return tuple(words)
+    return tuple("".join(c if c.isprintable() else repr(c)[1:-1] for c in word) for word in words)  # (an ESC in a
+    # word recoloured the terminal, a newline broke the table's row: shown as \x1b, \n)
 
 
 def longest(lengths) -> tuple[str, int] | None:

@@ -1127,3 +1127,14 @@ def test_at_60_columns_the_header_wraps_between_its_parts_and_stands_in():
     wide = ok(["show", "document(0,0,1,1,1) & window(2)"], env={"COLUMNS": "120"}).stdout.splitlines()
     assert wide[0] == "document(0,0,1,1,1) & window(2) · shape (B=1, H=1, Lq=5, Lk=5)"
     assert wide[2] == "│ ─ doc boundaries (labels above the keys, beside the queries) · underlined: the diagonal"
+
+
+def test_control_characters_in_tokens_are_shown_escaped_not_sent_to_the_terminal(tmp_path):
+    """Hunt 9b: a word of --tokens (or of its .json file) holding ESC[31m recoloured the terminal, a newline broke the
+    table's row: they are shown as Python writes them, \\x1b and \\n."""
+    (tmp_path / "words.json").write_text(json.dumps(["\x1b[31mred", "a\nb", "c", "d"]))
+    for given in ("\x1b[31mred a\x07 c d", str(tmp_path / "words.json")):
+        result = invoke(["show", "causal", "--len", "4", "--tokens", given])
+        assert result.exit_code == 0 and "\x1b" not in result.stdout and "\x07" not in result.stdout
+        assert "\\x1b[31mred" in result.stdout
+    assert "a\\nb" in result.stdout

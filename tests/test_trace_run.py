@@ -461,3 +461,99 @@ def test_a_thread_printing_in_a_loop_is_stopped_at_its_next_write_holding_no_loc
     assert text.endswith("main done\n") and len(text) == size + len("main done\n")
     assert set(text.splitlines()[:-1]) == {"spam " * 8}
     stream.close()
+
+
+@pytest.mark.parametrize(("body", "stdout", "stderr"), [
+    # str() of the code raises: python writes the newline alone (trace: "unexpected RuntimeError ... a maskcli bug")
+    ("class Code:\n    def __str__(self):\n        raise RuntimeError('no str')\nsys.exit(Code())\n", "", "\n"),
+    ("sys.stderr = None\nsys.exit('bye')\n", "", "bye\n"),  # python writes it to fd 2 (trace printed it on stdout)
+    ("sys.stderr.close()\nsys.exit('bye')\n", "", "\n"),  # the newline on fd 2 (trace exited 2, saying nothing)
+])
+def test_sys_exit_with_a_message_that_cannot_be_printed_ends_as_under_python(tmp_path, body, stdout, stderr):
+    """Hunt 9b: sys.exit(CODE) with a CODE that is no int: str(CODE) and a newline on sys.stderr, fd 2 where it is
+    None, dropped where it cannot be written (the newline then on fd 2), and status 1 always, as Python's handle_system_exit does."""
+    write(tmp_path / "ends.py", "import sys\n" + body)
+    plain, traced = run_both(tmp_path, ["ends.py"])
+    assert plain.returncode == traced.returncode == 1
+    assert plain.stdout == traced.stdout == stdout
+    assert plain.stderr == stderr and traced.stderr.startswith(stderr + REPORT + "ends.py: 0 attention calls")
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    ("builtins.int = None\nsys.exit(3)\n", 3),  # trace: "unexpected TypeError: isinstance() arg 2 must be a type"
+    ("builtins.str = None\nsys.exit('bye')\n", 1),  # trace dropped the message
+    ("builtins.len = None\nraise ValueError('v')\n", 1),  # trace: "unexpected TypeError: 'NoneType' object ..."
+    ("builtins.isinstance = None\nraise ValueError('v')\n", 1),  # trace: "Error in sys.excepthook:" (Typer's hook)
+    ("sys.excepthook = lambda *a: print('hook', len(a))\nbuiltins.len = lambda x: 42\nraise ValueError('v')\n", 1),
+])
+def test_a_program_that_replaces_builtins_ends_as_under_python(tmp_path, body, status):
+    """Hunt 9b: python reads a program's exit and prints its traceback in C, whatever it made of int, str, len or
+    isinstance; trace read them with the program's builtins. Its own sys.excepthook still runs with them."""
+    write(tmp_path / "ends.py", "import builtins\nimport sys\n" + body)
+    plain, traced = run_both(tmp_path, ["ends.py"])
+    assert plain.returncode == traced.returncode == status and plain.stdout == traced.stdout
+    assert traced.stderr.startswith(plain.stderr + REPORT + "ends.py: 0 attention calls")
+
+
+@pytest.mark.parametrize("target", [["names.py"], ["-m", "names"]])
+def test_the_programs_main_holds_pythons_names_with_an_empty_annotations(tmp_path, target):
+    """Hunt 9b: python's __main__ holds __annotations__ = {} (a program printing it, or typing.get_type_hints of its
+    module, ended in NameError under trace)."""
+    write(tmp_path / "names.py", "print(sorted(name for name in globals() if name.startswith('__')), __annotations__)\n")
+    plain, traced = run_both(tmp_path, target)
+    assert plain.returncode == traced.returncode == 0 and traced.stdout == plain.stdout
+    assert "'__annotations__'" in traced.stdout
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    ("import traceback\ntraceback.print_exception = None\nraise ValueError('v')\n", 1),
+    ("sys.exc_info = None\nraise ValueError('v')\n", 1),
+    ("import os.path\nos.path.abspath = None\nraise ValueError('v')\n", 1),
+    ("import os\nos.chdir = None\n", 0),
+    ("import contextlib\ncontextlib.suppress = None\nsys.exit('bye')\n", 1),
+    ("sys.path = None\n", 0),
+])
+def test_a_program_that_replaces_what_the_trace_calls_after_it_ends_as_under_python(tmp_path, body, status):
+    """Hunt 9b: trace's own code after the program (its traceback, its exit message, going back to the folder it
+    began in, sys.path put back) called what the program had replaced: "unexpected TypeError ... a maskcli bug"."""
+    write(tmp_path / "ends.py", "import sys\n" + body)
+    plain, traced = run_both(tmp_path, ["ends.py"])
+    assert plain.returncode == traced.returncode == status and plain.stdout == traced.stdout
+    assert traced.stderr.startswith(plain.stderr + REPORT + "ends.py: 0 attention calls")
+
+
+def test_a_program_that_replaces_json_tempfile_or_numpy_still_gets_its_trace_written(tmp_path):
+    """Hunt 9b: --json and --save wrote with the program's json.dump, tempfile.mkstemp and numpy: "unexpected
+    TypeError ... a maskcli bug", or "cannot write ...: TypeError (is the disk full?)", and no file."""
+    write(tmp_path / "swaps.py", """
+        import json, tempfile
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        json.dump, tempfile.mkstemp, np.packbits, np.asarray = None, None, None, None
+    """)
+    plain, traced = run_both(tmp_path, ["swaps.py"], ["--json", "calls.json", "--save", "calls.pt"])
+    assert plain.returncode == traced.returncode == 0, traced.stderr
+    assert json.loads((tmp_path / "calls.json").read_text())["calls"][0]["api"] == "sdpa"
+    assert (tmp_path / "calls.pt").stat().st_size > 0
+
+
+def test_the_largest_recursion_limit_python_takes_is_taken_and_read_back(tmp_path):
+    """Hunt 9b: sys.setrecursionlimit(2**31 - 1) runs under python; trace added its own frames to it and raised
+    "OverflowError: Python int too large to convert to C int" in the program."""
+    write(tmp_path / "top.py", "import sys\nsys.setrecursionlimit(2**31 - 1)\nprint(sys.getrecursionlimit())\n"
+                               "sys.setrecursionlimit(2**31)\n")
+    plain, traced = run_both(tmp_path, ["top.py"])
+    assert plain.returncode == traced.returncode == 1 and plain.stdout == traced.stdout == f"{2**31 - 1}\n"
+    assert "OverflowError" in plain.stderr and traced.stderr.startswith(plain.stderr)
+
+
+def test_a_program_that_blocks_numpy_in_sys_modules_still_gets_its_report(tmp_path):
+    """Hunt 9b: sys.modules["numpy"] = None, left by the program, stopped the report: "unexpected ModuleNotFoundError:
+    import of numpy halted; None in sys.modules (a maskcli bug ...)", exit 2."""
+    write(tmp_path / "blocks.py", "import sys\nsys.modules['numpy'] = None\nprint('blocked')\n")
+    plain, traced = run_both(tmp_path, ["blocks.py"])
+    assert plain.returncode == traced.returncode == 0 and plain.stdout == traced.stdout == "blocked\n"
+    assert traced.stderr.startswith(REPORT + "blocks.py: 0 attention calls")

@@ -18,6 +18,7 @@ import warnings
 
 from maskcli.errors import MaskError
 
+_dict, _vars, _setattr = dict, vars, setattr  # the real ones, whatever the program does to the builtins module
 HERE = os.path.dirname(os.path.abspath(__file__))  # maskcli/trace: the recording wrappers the program's calls pass through
 
 
@@ -102,14 +103,29 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     warnings.showwarning = _as_the_programs(saved_show)
     limits = sys.setrecursionlimit, sys.getrecursionlimit, sys.getrecursionlimit()
     _limit_from_the_programs_frame()
+    ours = dict(vars(builtins))
+    import json
+    import tempfile
+
+    import numpy
+
+    tools = {tool: dict(vars(tool)) for tool in (os, os.path, traceback, contextlib, runpy, json, tempfile, numpy)}
+    tools[sys] = {name: value for name, value in vars(sys).items()  # what maskcli's code after the program calls (not
+                  if callable(value) and not name.endswith("hook")}  # the hooks: the program's excepthook runs as python's)
     try:
-        if module is not None:
-            sys.argv = [module, *args]
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(module, run_name="__main__", alter_sys=True, init_globals={"__builtins__": builtins})
-        else:
-            sys.argv = [script, *args]
-            _run_script(script)
+        try:
+            if module is not None:
+                sys.argv = [module, *args]
+                sys.path.insert(0, os.getcwd())
+                runpy.run_module(module, run_name="__main__", alter_sys=True,
+                                 init_globals={"__builtins__": builtins, "__annotations__": {}})
+            else:
+                sys.argv = [script, *args]
+                _run_script(script)
+        finally:  # python reads its exit and prints its traceback in C, whatever the program made of int, len or id
+            theirs = _put_builtins(ours)
+            for tool, values in tools.items():  # (os.chdir, sys.exc_info, traceback.print_exception, json.dump,
+                _put_builtins(values, tool)  # tempfile.mkstemp the program replaced: python's own ending calls none)
         return 0
     except SystemExit as stop:
         code = stop.code
@@ -117,15 +133,15 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
             return 0
         if isinstance(code, int):
             return code
-        print(code, file=sys.stderr)  # sys.exit("message") prints it and exits 1, as Python does
+        _say_exit(code)  # sys.exit("message") prints it and exits 1, as Python does
         return 1
     except KeyboardInterrupt:
-        _print_traceback()
+        _print_traceback(theirs, saved_hook)
         global interrupted
         interrupted = True  # python then ends by SIGINT, not exit(130): commands.main does the same after the report
         return 130
     except BaseException:  # noqa: BLE001 - the program's own error: Python would print it and exit 1
-        _print_traceback()
+        _print_traceback(theirs, saved_hook)
         return 1
     finally:
         programs = sys.getrecursionlimit()  # (the limit the program set, counted from its own first frame)
@@ -133,12 +149,41 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         sys.setrecursionlimit(max(limits[2], programs))  # (not the raised one: each traced run would raise it again)
         if getattr(warnings.showwarning, "__wrapped__", None) is saved_show:  # (one the program set stays its own)
             warnings.showwarning = saved_show
-        sys.argv, sys.path[:] = saved_argv, saved_path
+        sys.argv, sys.path = saved_argv, sys.path if isinstance(sys.path, list) else []  # (sys.path = None)
+        sys.path[:] = saved_path
         sys.excepthook = saved_hook  # a hook the program set (torch.distributed's "[rank0]:" prefix) ends with it
         for name, module in modules.items():  # a program that del sys.modules["torch"]: importing torch again would
-            sys.modules.setdefault(name, module)  # register its operators twice (RuntimeError) in the trace's report
+            if sys.modules.get(name) is None:  # register its operators twice (RuntimeError) in the trace's report;
+                sys.modules[name] = module  # (one the program set to None: "import of numpy halted")
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
             os.chdir(saved_folder)
+
+
+def _put_builtins(values: dict, module=builtins) -> dict:
+    """What the builtins module (or `module`) holds, after `values` are put back in it (names the program added stay:
+    its atexit code and its threads may use them). Reads and writes it with functions bound when maskcli imported
+    this module."""
+    held = _dict(_vars(module))
+    for name, value in values.items():
+        if held.get(name) is not value:
+            _setattr(module, name, value)
+    return held
+
+
+def _say_exit(code) -> None:
+    """sys.exit(CODE) that is no int, as Python ends it (pythonrun.c handle_system_exit): str(CODE) on sys.stderr, or on
+    fd 2 where the program set it to None, dropped where its str raises or the stream fails; then a newline, on fd 2
+    where sys.stderr cannot take it (PySys_WriteStderr). Never the trace's error: the status is 1 whatever happens."""
+    with contextlib.suppress(Exception, SystemExit):  # the program's object or stream: Python drops the error too
+        if sys.stderr is None:
+            os.write(2, str(code).encode("utf-8", "backslashreplace"))
+        else:
+            sys.stderr.write(str(code))
+    try:
+        sys.stderr.write("\n")
+    except (Exception, SystemExit):  # noqa: BLE001 - None, closed, or a writer that raises
+        with contextlib.suppress(OSError):
+            os.write(2, b"\n")
 
 
 def _limit_from_the_programs_frame(headroom: int = 100) -> None:
@@ -153,14 +198,18 @@ def _limit_from_the_programs_frame(headroom: int = 100) -> None:
     below += headroom
     real_set, real_get = sys.setrecursionlimit, sys.getrecursionlimit
 
+    top = 2**31 - 1  # python's largest (a C int): a program may set it, and read it back
+    asked = [None]
+
     def setrecursionlimit(limit, /):
         limit = operator.index(limit)
         if limit < 1:
             raise ValueError("recursion limit must be greater or equal than 1")
-        real_set(limit + below)
+        real_set(limit if limit > top else min(limit + below, top))  # (past top: python's OverflowError)
+        asked[0] = limit
 
     def getrecursionlimit():
-        return real_get() - below
+        return asked[0] if real_get() == top and asked[0] is not None else real_get() - below
 
     real_set(real_get() + below)
     sys.setrecursionlimit, sys.getrecursionlimit = setrecursionlimit, getrecursionlimit
@@ -190,7 +239,7 @@ def _as_the_programs(show):
 
 def _run_script(script: str) -> None:
     """`python SCRIPT`: __file__ absolute as given (not normalised), a SourceFileLoader named __main__, no __spec__,
-    the builtins module as __builtins__; sys.path[0] the script's folder with links resolved
+    the builtins module as __builtins__, an empty __annotations__; sys.path[0] the script's folder with links resolved
     (Python/pathconfig.c _PyPathConfig_ComputeSysPath0); the code compiled under its absolute name, as its
     tracebacks show it. It runs in a module of its own put in sys.modules['__main__'] while it runs (runpy's way)."""
     import importlib.machinery
@@ -207,7 +256,7 @@ def _run_script(script: str) -> None:
         code, loader = compile(data, path, "exec", dont_inherit=True), importlib.machinery.SourceFileLoader("__main__", path)
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=path, __cached__=None, __loader__=loader, __spec__=None, __package__=None,
-                         __builtins__=builtins)
+                         __builtins__=builtins, __annotations__={})  # (python's __main__ holds an empty __annotations__)
     sys.path.insert(0, os.path.dirname(os.path.realpath(path)))
     before = sys.modules.get("__main__")
     sys.modules["__main__"] = main
@@ -225,9 +274,10 @@ def _ours(tb) -> bool:
         os.path.abspath(name) == os.path.abspath(runpy.__file__)
 
 
-def _print_traceback() -> None:
+def _print_traceback(theirs: dict, before) -> None:
     """The traceback as Python prints it: the program's frames and the libraries', none of maskcli's (its wrappers sit
-    between the program's call and torch's function) nor runpy's, in the error and in those chained to it."""
+    between the program's call and torch's function) nor runpy's, in the error and in those chained to it; the
+    program's own sys.excepthook (not the one it began with: Typer's) called with the builtins it left (`theirs`)."""
     kind, error, tb = sys.exc_info()
     seen = set()
     chained = error
@@ -236,14 +286,18 @@ def _print_traceback() -> None:
         chained.__traceback__ = _without_ours(chained.__traceback__)
         chained = chained.__cause__ or chained.__context__
     hook = sys.excepthook
-    if hook is not sys.__excepthook__ and hook is not None:  # the program's own hook, which python calls instead
+    if hook not in (sys.__excepthook__, None, before):  # the program's own hook, which python calls instead
+        ours = _put_builtins(theirs)
         try:
             hook(kind, error, error.__traceback__)
             return
         except BaseException as failed:  # noqa: BLE001 - python's words for a hook that raises, then the error itself
+            _put_builtins(ours)
             print("Error in sys.excepthook:", file=sys.stderr)
             traceback.print_exception(type(failed), failed, _without_ours(failed.__traceback__), file=sys.stderr, chain=False)
             print("\nOriginal exception was:", file=sys.stderr)
+        finally:
+            _put_builtins(ours)
     traceback.print_exception(kind, error, error.__traceback__, file=sys.stderr)
 
 
