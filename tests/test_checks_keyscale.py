@@ -45,12 +45,12 @@ def test_rotated_keys_are_quiet_and_scaled_ones_are_found():
     cos, sin = torch.cat((angle, angle)).cos(), torch.cat((angle, angle)).sin()
     turned = keys * cos + torch.cat((-keys[..., 8:], keys[..., :8]), -1) * sin
     keyscale.forget()
-    assert keyscale.keys_rescaled(keys, tuple(keys.shape), 1) == {}
-    assert keyscale.keys_rescaled(turned, tuple(turned.shape), 1) == {}
-    found = keyscale.keys_rescaled(turned * 1.5, tuple(turned.shape), 1)["keys_rescaled"]
+    assert keyscale.keys_rescaled(keys, tuple(keys.shape)) == {}
+    assert keyscale.keys_rescaled(turned, tuple(turned.shape)) == {}
+    found = keyscale.keys_rescaled(turned * 1.5, tuple(turned.shape))["keys_rescaled"]
     assert found["factor"] == 1.5 and found["keys"] == 6 and found["of"] == 6  # (batch row 0, head 0)
     keyscale.forget()
-    assert keyscale.keys_rescaled(turned * 2, tuple(turned.shape), 1) == {}
-    grown = torch.cat((turned * 1.5, torch.randn(1, 2, 1, 16)), 2)  # (6 keys, then 7: its one query's own appended)
-    assert keyscale.keys_rescaled(grown, tuple(grown.shape), 1) == {}
+    assert keyscale.keys_rescaled(turned * 2, tuple(turned.shape)) == {}
+    grown = torch.cat((turned * 1.5, torch.randn(1, 2, 1, 16)), 2)  # (6 keys, then 7: a cache that grew)
+    assert keyscale.keys_rescaled(grown, tuple(grown.shape)) == {}
     keyscale.forget()

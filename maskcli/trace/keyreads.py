@@ -17,7 +17,7 @@ def key_reads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple,
     found = edge_kv(q, k, v, k_shape, mask, is_causal)
     found = {**found, **zero_keys(k, v, k_shape)} if "zero_kv" not in found else found
     wrote = slotwrites.written(q.shape[-2], k, v, k_shape)
-    return {**found, **wrote, **keyscale.keys_rescaled(k, k_shape, q.shape[-2])}
+    return {**found, **wrote, **keyscale.keys_rescaled(k, k_shape)}
 
 
 at = keyscale.at  # (capture.py names the site of the call about to be read: keys_rescaled compares within a site)

@@ -9,13 +9,13 @@ re-rotation made with a rotary's cos/sin that carry YaRN's `attention_scaling`: 
 attention_scaling²): its logits are c times what the kernel gave the same key before, against the fresh keys of the
 same call that are not.
 
-Read at an SDPA call whose keys are not its site's last call's keys with this call's own appended (a cache pruned,
-shifted or rebuilt between two calls of one layer; capture.py names the site through `at`): each key row's pair
+Read at an SDPA call with no more keys than its site's last call (a cache pruned, shifted or rebuilt between two calls
+of one layer, not one that grew; capture.py names the site through `at`): each key row's pair
 norms divided by its norm (rounded: the key's direction within its pairs, which no rotation and no scaling changes)
 looked up among those of the site's last call's keys; a row found there gives the ratio of its norm to the earlier
 one's. Where two rows or more come back scaled, all by one factor c (not 1), details `keys_rescaled` says c, how
-many, how many came back at all, and of how many keys. A call that appends to its site's keys (a decode step) costs
-a lookup and nothing more. Read only on the CPU, for float32/float64 keys (bfloat16's rounding is larger than any
+many, how many came back at all, and of how many keys. A call whose keys grew (a decode step) costs a lookup and
+nothing more. Read only on the CPU, for float32/float64 keys (bfloat16's rounding is larger than any
 tolerance here), and only batch row 0's first head, of at most ROWS keys: a press moves every head's keys alike.
 """
 
@@ -40,7 +40,7 @@ def at(site: tuple, where: str) -> tuple:
     return site, where
 
 
-def keys_rescaled(k: torch.Tensor, k_shape: tuple, q_len: int) -> dict:
+def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
     """{"keys_rescaled": {...}} where keys of the site's last call come back scaled by one factor, else {}."""
     if len(k_shape) != 4 or k_shape[-1] % 2 or k_shape[-1] < 8 or k_shape[2] > ROWS or not k_shape[0] * k_shape[1]:
         return {}
@@ -51,8 +51,9 @@ def keys_rescaled(k: torch.Tensor, k_shape: tuple, q_len: int) -> dict:
         site = _SITE[0]
         last = _LAST.get(site)
         _LAST[site] = (plane, k_shape[2])
-        if last is None or k_shape[2] == last[1] + q_len or plane.data_ptr() == last[0].data_ptr():
-            return {}  # (the site's first call, a step that appends its own keys, one buffer written in place)
+        if last is None or k_shape[2] > last[1] or plane.data_ptr() == last[0].data_ptr():
+            return {}  # (the site's first call, a cache that grew: a step that appends its own keys, one buffer written in
+            # place; not the query count: Hugging Face packs a GQA decode's heads into the query axis)
         before, now = np.square(last[0].numpy()), np.square(plane.numpy())
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states no key
         return {}
