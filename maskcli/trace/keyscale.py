@@ -30,7 +30,7 @@ TOLERANCE = 1e-4  # relative spread of one factor (float32 rotations keep norms 
 SCALED = 1e-3  # a factor this far from 1 or further is a scaling
 
 _SITE: list = [None]  # the site of the call being read (set by `at`, from capture.py)
-_LAST: dict = {}  # site -> (its last call's keys of batch row 0's first head, their count)
+_LAST: dict = {}  # site -> (its last call's keys, their count)
 _MULTIPLIERS: dict[int, np.ndarray] = {}  # a direction's length -> the odd int64 weights that hash it
 
 
@@ -47,14 +47,13 @@ def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
     try:
         if not k.is_cpu or type(k) is not torch.Tensor or k.dtype not in (torch.float32, torch.float64):
             return {}
-        plane = k.detach()[0, 0]
         site = _SITE[0]
         last = _LAST.get(site)
-        _LAST[site] = (plane, k_shape[2])
-        if last is None or k_shape[2] > last[1] or plane.data_ptr() == last[0].data_ptr():
+        _LAST[site] = (k, k_shape[2])  # (the tensor itself: its plane is made only where it is compared)
+        if last is None or k_shape[2] > last[1] or k.data_ptr() == last[0].data_ptr():
             return {}  # (the site's first call, a cache that grew: a step that appends its own keys, one buffer written in
             # place; not the query count: Hugging Face packs a GQA decode's heads into the query axis)
-        before, now = np.square(last[0].numpy()), np.square(plane.numpy())
+        before, now = np.square(last[0].detach()[0, 0].numpy()), np.square(k.detach()[0, 0].numpy())
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states no key
         return {}
     if before.shape[1] != now.shape[1]:
