@@ -967,3 +967,22 @@ def test_a_tokenizers_mask_never_handed_to_its_text_encoder_is_found(tmp_path):
     assert tuple(found[0]["cell"]) == first((3, 16, 16), _bidirectional_padding_seen((5, 11, 3)))
     assert 'text_inputs["attention_mask"]' in found[0]["message"]
 
+
+
+def test_starvla_action_head_ignores_vlm_padding(tmp_path):
+    # starVLA/starVLA PR #315 (commit b6ab70e; issue #330): Qwen_GR00T never passed the VLM's attention_mask to the
+    # flow-matching action head, so the DiT cross-attention attended the batch's padded prompt positions (written
+    # blind, blind-eh)
+    found = check_bug(tmp_path, "starvla_qwengr00t_action_head_ignores_vlm_padding_mask", "padding-unused")
+    lengths = (12, 4)  # right padding: the second prompt's keys 4-11
+    assert tuple(found[0]["cell"]) == first((2, 9, 12), lambda b, q, k: k >= lengths[b])
+    assert 'qwen_inputs["attention_mask"]' in found[0]["message"]
+
+
+def test_an_action_heads_cross_attention_never_handed_the_left_padded_language_mask(tmp_path):
+    """The same bug written another way: nn.MultiheadAttention from action tokens to left-padded language features,
+    the padding held as the observation dict's `language_attention_mask`, key_padding_mask never passed."""
+    found = check_bug(tmp_path, "octo_readout_head_language_padding_not_passed", "padding-unused", HELD)
+    pads = (0, 4)  # prompts of 7 and 3 tokens, left-padded to 7
+    assert tuple(found[0]["cell"]) == first((2, 4, 7), lambda b, q, k: k < pads[b])
+    assert 'observation["language_attention_mask"]' in found[0]["message"]

@@ -341,3 +341,22 @@ def test_a_ones_filled_cache_attended_whole_in_a_batched_decode(tmp_path):
     every step of a batched generation loop; its fix keeps only the written slots."""
     found = check_bug(tmp_path, "ones_filled_kv_cache_batched_decode_whole_buffer", "zero-keys-seen", folder=ZEROKV)
     assert tuple(found[0]["cell"]) == (0, 0, 5) and "keys 5-15" in found[0]["message"]
+
+
+def test_jasmine_flash_attention_pad_to_four_mask_masks_nothing(tmp_path):
+    # p-doom/jasmine commit 3ec820d (merged via PR #141): `_create_flash_attention_fn` pads T / S to a multiple of 4 and
+    # builds its mask `.at[Q:, :]` / `.at[:, K:]` from the padded lengths, which masks nothing (written blind, blind-eh)
+    found = check_bug(tmp_path, "jasmine_sttransformer_flash_attn_pad_mask_noop", "zero-keys-seen")
+    patches, padded = 6, 8  # the spatial attention: 6 patches padded to 8, non-causal: every real query sees 6-7
+    assert tuple(found[0]["cell"]) == first((10, 8, 8), lambda b, q, k: q < patches and patches <= k < padded)
+    assert "keys 6-7" in found[0]["message"]
+
+
+def test_latent_cross_attention_block_padded_keys_under_a_mask_filled_from_the_padded_length(tmp_path):
+    """The same bug written another way: latents cross-attend to 13 keys padded with torch.cat of zeros to 16, an
+    additive float mask filled from the padded length (an empty slice); its fix fills it from the real length."""
+    found = check_bug(tmp_path, "latent_cross_attention_block_padded_keys_mask_from_padded_length", "zero-keys-seen",
+                      ZEROKV)
+    keys, padded = 13, 16
+    assert tuple(found[0]["cell"]) == first((3, 6, 16), lambda b, q, k: keys <= k < padded)
+    assert f"keys {keys}-{padded - 1}" in found[0]["message"]
