@@ -171,6 +171,27 @@ def test_a_future_mask_with_its_diagonal_multiplied_into_left_padded_weights(tmp
     assert tuple(hit["cell"]) == (0, 2, 2)  # batch row 0's first real item, at position 2 after its 2 pads
 
 
+def test_a_query_mask_from_a_sum_before_abs_calls_a_real_item_padding(tmp_path):
+    """JiachengLi1995/TiSASRec#1 (commit 1bd63d0, written blind, batch blind-ei): the query mask multiplied into the
+    weights after the softmax is `sign(abs(sum(q)))`, so a real item whose layer-normalised query sums to 0 reads as
+    padding, while the key mask (from the unnormalised sequence) keeps its key. The fix's sign(sum(abs(q))) is quiet.
+    Against the statistic itself: a zero-sum real vector is 0 under the bug's test, nonzero under the fix's."""
+    [hit] = check_bug(tmp_path, "tisasrec_multihead_attention_query_key_mask_sum_before_abs", "emptied-after-softmax")
+    assert "query mask" in hit["message"]
+    x = torch.tensor([[1.0, -1.0, 2.0, -2.0], [0.0, 0.0, 0.0, 0.0]])
+    assert torch.sign(torch.abs(x.sum(-1))).tolist() == [0.0, 0.0]
+    assert torch.sign(x.abs().sum(-1)).tolist() == [1.0, 0.0]
+
+
+def test_a_query_mask_from_an_embedding_sum_disagrees_with_the_ids_key_mask(tmp_path):
+    """Written another way (tests/data/headmask): a right-padded bidirectional einsum encoder whose key mask is the ids'
+    (0 = padding) and whose query mask after the softmax is `emb.sum(-1) != 0`: item 7, whose embedding sums to 0,
+    reads nothing (first at batch row 0, position 3). The fix's `emb.abs().sum(-1) != 0` is quiet."""
+    [hit] = check_bug(tmp_path, "bert4rec_query_mask_from_centered_embedding_sum", "emptied-after-softmax",
+                      Path(__file__).parent / "data" / "headmask")
+    assert tuple(hit["cell"]) == (0, 3, 3) and "query mask" in hit["message"]
+
+
 def test_an_exp_filled_with_zero_before_its_sum_is_the_calls_mask():
     """A softmax written by hand as exp, masked_fill(pad, 0), / sum (Practical_NLP_in_PyTorch's fix): the call's mask is
     the padding's, as a double loop over the keys says; the exp alone reads as full."""

@@ -165,6 +165,27 @@ def test_llava_prepare_multimodal_drops_padded_attention_mask(tmp_path):
     assert tuple(found[0]["cell"]) == first((2, 12, 12), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
 
 
+def test_poprox_nrms_user_encoder_click_history_padding_unmasked(tmp_path):
+    """CCRI-POPROX/poprox-recommender#177 (commit 6b83e63, written blind, batch blind-ei): NRMS's click history is
+    left-padded with "PADDED_NEWS" zero vectors and run through nn.MultiheadAttention with no key_padding_mask; its
+    in_proj_bias is zero, so those keys' K and V are zero (trace/mhazero.py). The fix's key_padding_mask is quiet.
+    Against nn.MultiheadAttention itself: a zero input row projects to a zero key and value."""
+    found = check_bug(tmp_path, "poprox_recommender_nrms_user_encoder_click_history_padding_unmasked", "zero-keys-seen")
+    pads = (0, 5, 9)  # histories of 12, 7 and 3 clicks in 12 slots
+    assert tuple(found[0]["cell"]) == first((3, 12, 12), lambda b, q, k: q >= pads[b] and k < pads[b])
+    mha = torch.nn.MultiheadAttention(8, 2)
+    w, bias = mha.in_proj_weight.detach(), mha.in_proj_bias.detach()
+    assert (torch.nn.functional.linear(torch.zeros(3, 8), w, bias)[:, 8:] == 0).all()
+
+
+def test_a_sequence_first_mha_over_right_padded_sessions_without_a_key_padding_mask(tmp_path):
+    """Written another way: sequence-first nn.MultiheadAttention over right-padded sessions embedded with
+    padding_idx=0, no key_padding_mask, pooled over the real items; the fix hands `key_padding_mask=(ids == 0)`."""
+    found = check_bug(tmp_path, "session_mha_seq_first_right_padded_no_key_padding_mask", "zero-keys-seen", ZEROKV)
+    lengths = (9, 5, 3, 6)
+    assert tuple(found[0]["cell"]) == first((4, 9, 9), lambda b, q, k: q < lengths[b] and k >= lengths[b])
+
+
 def test_zero_keys_a_rule_names_the_cause_of_are_said_once_by_it(tmp_path):
     """A rotary encoder, `padding_idx=0` and bias-free projections, right-padded, no mask: its input ids say the
     padding (padding-ignored), and the zero keys are not said again; its fix is quiet."""

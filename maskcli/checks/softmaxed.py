@@ -15,7 +15,10 @@ A 0/1 product after the softmax (a head mask multiplied into the probabilities) 
 where the softmax's own mask gave it keys, makes that query's output 0: it attends to nothing, its own token
 included (Transformers4Rec 3d94628: a causal head_mask built with `torch.tril(..., diagonal=-1)` on GPT-2, whose own
 `bias` mask keeps each query's own key). The program's mask before the softmax states the keys the query reads; the
-product takes them all (emptied-after-softmax; trace/after.py's `emptied_after`). Quiet on a padding row (its own
+product takes them all (emptied-after-softmax; trace/after.py's `emptied_after`). A query mask multiplied in after
+(whole rows 0) that calls a token padding whose key the key mask before the softmax keeps real is the same
+contradiction, said as two padding tests that disagree (TiSASRec 1bd63d0: `sign(abs(sum(x)))` calls a real item whose
+layer-normalised query sums to 0 padding; its key, from the unnormalised sequence, is kept). Quiet on a padding row (its own
 token's key seen by no query after the product) and on a head zeroed whole (a head pruned, as head_mask is meant).
 """
 
@@ -79,11 +82,19 @@ def emptied_after(run) -> list:
         found.append((call, Finding("emptied-after-softmax", (
             f"a 0/1 product after the softmax leaves query {q} (batch row {b}, head {h}) no key at all, though the "
             f"softmax's own mask gave it keys {spans(emptied['lost'])} and its own token's key {emptied['own']} is "
-            f"seen by other queries: its output is 0 ({emptied['rows']} such rows); a mask multiplied into the "
-            "probabilities that drops the diagonal (tril(diagonal=-1) where tril was meant?)"),
+            f"seen by other queries: its output is 0 ({emptied['rows']} such rows); {_why(emptied)}"),
             expected="every real query keeps the keys its mask before the softmax gives it (its own included)",
             source="the softmax's own mask (its keys kept before the product)", cell=(b, q, emptied["own"]))))
     return found
+
+
+def _why(emptied: dict) -> str:
+    """The product's kind, in words: a query padding mask calling a real token padding, or a mask dropping keys."""
+    if emptied.get("query_mask"):
+        return ("the product is a query mask (whole rows 0) that calls this token padding, though the key mask before "
+                "the softmax keeps its key as real: the two padding tests disagree (a query mask built from a value "
+                "that can be 0 for a real token, sign(abs(sum(x))) where sign(sum(abs(x))) was meant?)")
+    return "a mask multiplied into the probabilities that drops the diagonal (tril(diagonal=-1) where tril was meant?)"
 
 
 def _stated_empty(call, b: int, h: int, q: int) -> bool:

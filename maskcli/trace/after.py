@@ -233,7 +233,7 @@ class After:
                 call.details["zeroed_after"] = seen.details["zeroed_after"] = True
             keep = seen.keep & ~zero
             if not bool(keep.any(dim=-1).all()):
-                _emptied(call, seen, keep)  # (a real query left no key: checks/softmaxed.py's emptied-after-softmax)
+                _emptied(call, seen, keep, zero)  # (a real query left no key: checks/softmaxed.py's emptied-after-softmax)
                 return  # (a row left with no key: renormalising it is 0 / 0, not a mask the program meant)
         self._narrowed(trace, out, keep, entry, "multiplied by a 0/1 mask after the softmax")
 
@@ -322,11 +322,12 @@ def _record(call, seen, where: torch.Tensor, value: float) -> None:
     seen.details["filled_after"] = filled
 
 
-def _emptied(call, seen, keep: torch.Tensor) -> None:
+def _emptied(call, seen, keep: torch.Tensor, zero: torch.Tensor) -> None:
     """The query rows a 0/1 product after the softmax leaves with no key where the softmax's own mask gave them some,
     whose own token's key (position q + Lk - Lq) another query of the row still sees (a real token, not padding),
     in a head whose other rows keep keys (not a head pruned whole): recorded as details `emptied_after` (the first
-    (b, h, q), how many, and the keys the first lost)."""
+    (b, h, q), how many, the keys the first lost, and `query_mask`: the product's 0s are whole query rows, a query
+    padding mask, which calls padding a token the key mask before the softmax keeps real)."""
     q_len, k_len = keep.shape[-2:]
     if q_len > k_len:
         return
@@ -339,5 +340,6 @@ def _emptied(call, seen, keep: torch.Tensor) -> None:
         return
     b, h, q = (int(x) for x in bad.nonzero()[0])
     lost = had[b, h, q].nonzero().flatten().tolist()[:64]
-    found = {"cell": [b, h, q], "rows": int(bad.sum()), "lost": lost, "own": int(own[q])}
+    found = {"cell": [b, h, q], "rows": int(bad.sum()), "lost": lost, "own": int(own[q]),
+             "query_mask": bool((zero == zero[..., :1]).all()) and int(own[q]) in lost}
     call.details["emptied_after"] = seen.details["emptied_after"] = found

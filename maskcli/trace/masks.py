@@ -297,6 +297,9 @@ def mha(args: tuple, kwargs: dict) -> Seen:
         note_zero_one(padding, details, "key_padding_mask")  # (a float pad mask of 1s and 0s, added as it is)
         details["key_padding"] = _key_padding(_allow_extra(own.reshape(batch, 1, 1, -1), extra))
     if attn_mask is None and padding is None:
+        from maskcli.trace.mhazero import mha_zero_kv  # (zero inputs under zero biases: zero K and V, trace/zerokv.py)
+
+        details.update(mha_zero_kv(a))
         seen.intervals = everything(q_len, k_len)
     else:
         if any(x is not None and x.is_floating_point() for x in (attn_mask, padding)):
