@@ -87,3 +87,12 @@ def test_a_step_whose_queries_see_later_keys_of_the_step_is_no_decode():
     cells[0, 1:, length:] = True  # the actions see the state and each other
     assert _rows(cells, length) == _loop(cells, length) == []
     assert _rows(cells[:, :1, :length + 1], length) == _loop(cells[:, :1, :length + 1], length) == [(0, 2)]
+
+
+def test_an_action_chunk_over_a_cached_padded_prefix_is_quiet(tmp_path):
+    """Written another way than the blind pi0 program (tests/data/quiet_blind): SmolVLA's denoising steps through SDPA,
+    the whole action chunk bidirectional over [cached right-padded prefix | chunk]; flagged before."""
+    from checkbugs import traced
+
+    _, found, _ = traced(tmp_path, "smolvla_cached_prefix_action_chunk_sdpa", False, Path(__file__).parent / "data" / "quiet")
+    assert [f for f in found if f["code"] == "continued-from-padding"] == []
