@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -119,3 +120,31 @@ def test_guidance_rows_over_zero_values_are_left_out_of_the_other_reading():
         attend(states + 1, keep)  # (the null rows' values not 0: no reading left out)
     [group] = t.groups()
     assert "polarity" in [f.code for f in group.findings]
+
+
+def test_a_causal_tile_of_a_blockwise_kernel_is_not_said_to_look_flipped(tmp_path):
+    """A blockwise kernel's (query tile, key tile) pair whose keys all come after its queries is all hidden under a
+    causal mask, full read the other way round: no polarity slip where the tile, at its places in the whole
+    (trace/tiled.py's "tile"), hides only keys after their queries (memory-efficient-attention-pytorch's chunks in
+    tests/data/quiet_blind; a FlashAttention-2 loop in tests/data/quiet, flagged before). A tile that hides keys at or
+    before its queries is no causal tile's: still read both ways."""
+    from checkbugs import traced
+    from maskcli.checks.tiled import hides_only_later
+
+    def hides(keep: np.ndarray, tile: list) -> bool:  # (reference: cell by cell at the places the tile states)
+        return all(keep[b, h, i, j] or tile[2][0] + j > tile[1][0] + i
+                   for b, h, i, j in np.ndindex(keep.shape))
+
+    after, before = [[0, 1], [0, 30], [14, 30]], [[0, 1], [16, 30], [7, 30]]
+    for tile, expected in ((after, True), (before, False)):
+        empty = np.zeros((1, 1, 8, 7), dtype=bool)
+        tiled = SimpleNamespace(shape=empty.shape, details={"tile": tile})
+        assert hides_only_later(tiled, empty) == hides(empty, tile) == expected
+    straddling = [[0, 1], [8, 30], [7, 30]]
+    for off in (0, -1):  # causal at its places, then one that hides each query's own key too
+        keep = np.array([[[[7 + j <= 8 + i + off for j in range(7)] for i in range(8)]]])
+        tiled = SimpleNamespace(shape=keep.shape, details={"tile": straddling})
+        assert hides_only_later(tiled, keep) == hides(keep, straddling) == (off == 0)
+    _, found, _ = traced(tmp_path, "flash2_online_softmax_tiles_causal_pad", False,
+                         Path(__file__).parent / "data" / "quiet")
+    assert [f for f in found if f["code"] == "polarity"] == []

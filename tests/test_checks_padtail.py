@@ -43,7 +43,9 @@ def _loop(cells: np.ndarray, length: int) -> list[tuple[int, int]]:
     found = []
     for b in range(cells.shape[0]):
         row = [bool(x) for x in cells[b, 0]]
-        if row[length] and not row[length - 1] and any(row[:length - 1]):
+        steps = cells.shape[1]
+        given = any(cells[b, q, length + j] for q in range(steps) for j in range(q + 1, steps))
+        if row[length] and not row[length - 1] and any(row[:length - 1]) and not given:
             pads = 0
             while not row[length - 1 - pads]:
                 pads += 1
@@ -72,3 +74,25 @@ def test_keys_a_later_query_of_the_step_sees_are_no_padding():
         cells[0, i, :i + 1] = True
         cells[0, i, length + i] = True
     assert _rows(cells, length) == _loop(cells, length) == []
+
+
+def test_a_step_whose_queries_see_later_keys_of_the_step_is_no_decode():
+    """lerobot's pi0: a cached prefix whose language is right padded, then the state and a 3-token action chunk whose
+    queries see each other (block-causal from cumsum(att_masks)): given together, not decoded from the prefix's last
+    query (a false alarm on the blind correct program before); a single-query step over the same prefix still found."""
+    length, q_len = 6, 4
+    cells = np.zeros((1, q_len, length + q_len), bool)
+    cells[0, :, :4] = True  # four real prefix tokens, two pads
+    cells[0, 0, length] = True  # the state sees itself
+    cells[0, 1:, length:] = True  # the actions see the state and each other
+    assert _rows(cells, length) == _loop(cells, length) == []
+    assert _rows(cells[:, :1, :length + 1], length) == _loop(cells[:, :1, :length + 1], length) == [(0, 2)]
+
+
+def test_an_action_chunk_over_a_cached_padded_prefix_is_quiet(tmp_path):
+    """Written another way than the blind pi0 program (tests/data/quiet_blind): SmolVLA's denoising steps through SDPA,
+    the whole action chunk bidirectional over [cached right-padded prefix | chunk]; flagged before."""
+    from checkbugs import traced
+
+    _, found, _ = traced(tmp_path, "smolvla_cached_prefix_action_chunk_sdpa", False, Path(__file__).parent / "data" / "quiet")
+    assert [f for f in found if f["code"] == "continued-from-padding"] == []

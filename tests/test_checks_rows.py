@@ -554,3 +554,22 @@ def test_scores_filled_whole_then_shifted_by_their_row_max_see_no_key(tmp_path):
     assert status == 1 and any(f["code"] == "fully-masked" and f["severity"] == "wrong" for f in found), report
     status, found, report = traced(tmp_path, "stable_softmax_keep_mask_added_as_bias", fixed=True, folder=folder)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_tile_of_a_blockwise_kernel_is_read_at_its_places():
+    """memory-efficient-attention-pytorch's chunked loop (tests/data/quiet_blind, written blind): the tile of queries
+    24-29 over keys 21-27 of a causal mask, read with its queries at the end of its keys, sees later keys; at its places
+    (trace/tiled.py's "tile") it sees none, and is quiet. The same tile one key off at its places is still found."""
+    tile = [[0, 2], [24, 30], [21, 30]]
+
+    def at_places(off: int) -> np.ndarray:
+        keep = np.zeros((2, 1, 6, 7), dtype=bool)
+        for b, i, j in np.ndindex(2, 6, 7):
+            keep[b, 0, i, j] = 21 + j <= 24 + i + off
+        return keep
+
+    causal = at_places(0)
+    assert later_rows(causal)  # (read bottom-right, as before)
+    assert later(*call(causal, "softmax", tile=tile), None) == []
+    [found] = later(*call(at_places(1), "softmax", tile=tile), None)
+    assert found.code == "sees-later"

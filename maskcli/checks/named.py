@@ -29,7 +29,8 @@ def polarity(call, kind: str | None, named: str | None, past=None) -> list[Findi
     `past`: a function saying whether the model call states its queries past every key (rows.past_the_keys): the other
     reading places them among the keys (bottom-right, or top-left at a static cache's start), where they are not."""
     if named is None or kind in MEANT_LATER or _edge_padding(call) or _one_key_each(call) or _whole_rows(call) \
-            or (getattr(call, "details", None) or {}).get("nan_scores") or past is not None and past():  # (NaN: no cells)
+            or (getattr(call, "details", None) or {}).get("nan_scores") or past is not None and past() \
+            or _causal_tile(call):  # (NaN: no cells)
         return []
     meaning = {"mha": "MHA reads a bool mask as True = masked", "sdpa": "SDPA reads a bool mask as True = may attend"}.get(call.api, "")
     return [Finding("polarity", f"read the other way round it is {named}: a mask in the wrong polarity?"
@@ -44,6 +45,17 @@ def _one_key_each(call) -> bool:
 
     cells = keep(call) if getattr(call, "stored", None) is not None else None
     return cells is not None and cells.size > 0 and bool(((~cells).sum(axis=-1) == 1).all())
+
+
+def _causal_tile(call) -> bool:
+    """The call is one tile of a blockwise kernel (checks/tiled.py) whose mask hides only keys after their queries, at
+    their places in the whole (memory-efficient-attention-pytorch's causal mask rebuilt per chunk pair): a tile all
+    after its queries is all hidden, and its other reading (full) is no sign of a polarity slip."""
+    from maskcli.checks.context import keep
+    from maskcli.checks.tiled import hides_only_later
+
+    cells = keep(call) if getattr(call, "stored", None) is not None else None
+    return cells is not None and cells.size > 0 and hides_only_later(call, cells)
 
 
 def _whole_rows(call) -> bool:

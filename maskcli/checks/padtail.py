@@ -46,9 +46,14 @@ def _rows(cells: np.ndarray, length: int) -> list[tuple[int, int]]:
     """(batch row, the number of padded keys ending its prompt) for each row whose first decode query sees its own key
     and a key before the prompt's last, but not the prompt's last key (the run of hidden keys just before L)."""
     found = []
+    q_len = cells.shape[1]
+    later = np.triu(np.ones((q_len, q_len), bool), 1)  # (query i, the step's own key j > i)
     for b, row in enumerate(cells[:, 0, :]):
         if not row[length] or row[length - 1] or not row[:length - 1].any():
             continue
+        if (cells[b, :, length:length + q_len] & later).any():
+            continue  # (a query of the step sees a later key of the step: its tokens were given together, as pi0's
+            # state and action chunk denoised against the cached prefix, not decoded one by one from the prefill)
         last = int(np.flatnonzero(row[:length])[-1])
         if cells[b, :, last + 1:length].any():
             continue  # (padding is hidden from every query of the step: a later query that sees these keys says they

@@ -16,7 +16,7 @@ from maskcli.checks.kernelrows import what_api_does
 from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
 from maskcli.checks.stages import mask_findings as mask_rows
-from maskcli.checks.tiled import key_tile
+from maskcli.checks.tiled import key_tile, tile_columns
 from maskcli.text import Finding, plane_text, spans
 
 MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
@@ -107,6 +107,9 @@ def later(call, stored: dict, structure, real=None, past=None, places=None) -> l
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
     seeing = reach(stored, q_len)[1] > own[None, :]  # (b*h, Lq)
     if not seeing.any() or past is not None and past():
+        return []
+    columns = tile_columns(call)  # (a tile of a blockwise kernel: its queries at their places among its keys)
+    if columns is not None and not (reach(stored, q_len)[1] > columns[None, :]).any():
         return []
     stated = places() if places is not None and q_len < k_len else None
     if stated is not None:  # (where the program says they sit: a static cache's slots past them are unwritten)

@@ -56,3 +56,23 @@ def chunk_readings(call, top, length: int) -> tuple[list, str, bool, int] | None
             real = np.broadcast_to(said[0], (size, length))
             return [real[at // (total // size)], real[at % size]], said[1], said[2], size
     return None
+
+
+def tile_columns(call) -> np.ndarray | None:
+    """Int (Lq,): each query's place as a key column of a tile (key_tile): its position in the whole less the key
+    chunk's start (below 0 before the tile's first key, past its last after them); None where the call is no tile."""
+    if not key_tile(call):
+        return None
+    part = _spans(call)
+    return part[1][0] - part[2][0] + np.arange(call.shape[2])
+
+
+def hides_only_later(call, cells: np.ndarray) -> bool:
+    """A tile (key_tile) whose keep cells (b, h, Lq, Lk) hide only keys after their query, at their places in the whole:
+    what a causal mask rebuilt per (query chunk, key chunk) hides there (all of a tile whose keys come after its
+    queries), whatever another reading of the tile's cells is named."""
+    columns = tile_columns(call)
+    if columns is None:
+        return False
+    at_or_before = np.arange(call.shape[3])[None, :] <= columns[:, None]  # (Lq, Lk)
+    return not (~cells & at_or_before).any()
