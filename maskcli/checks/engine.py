@@ -49,7 +49,9 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "polarity": {"memory-padding-inverted"},  # the memory's padding turned round, said with its encoder's (memturned.py)
     "memory-padding-only-attended": {"padding-only-attended", "lengths-inverted"},  # the same keys, said by the mask or
     # lengths the frames hold (held.py, turned.py)
-    "zero-keys-seen": {"unwritten-slot", "padding-ignored", "padding-unused", "padding-lost"},  # zero K/V, said by their cause
+    "zero-keys-seen": {"unwritten-slot", "padding-ignored", "padding-unused", "padding-lost", "mask-withheld",
+                       "batch-axis-attended"},  # zero K/V, said by their cause (a padding the forward was never handed;
+    # an nn.MultiheadAttention read along the batch, whose "keys" are the samples: mhazero.py)
     "padding-seen-by-one": {"batch-rows-on-queries"},  # a key row laid on the queries hides some queries' padding and
     # not another's: the same plane, said as the broadcast it was (rowsonqueries.py; keras#21595)
     "real-query-blind": {"mask-fixed-after-call"},  # a row the padding mask, changed after the call, calls real:
