@@ -11,8 +11,9 @@ positions and its own prefill say the query has keys before it.
 
 Quiet where the step has more keys than queries (a cache read, evicted or windowed as it may be), where the
 positions are not stated (placing.py then places the queries at the keys' end), where the first pass lets no query
-see an earlier key (each token alone), and where the step has as many keys as that pass or more (chunks of a stream
-encoded apart, each its own sequence).
+see an earlier key (each token alone), where the step has as many keys as that pass or more (chunks of a stream
+encoded apart, each its own sequence), and where the first pass showed the step's positions no key outside their own
+span (a packed document run again alone at its positions, as a reference does).
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ def _first_pass(call, own: np.ndarray) -> bool:
     return cells is not None and bool(np.tril(cells.any(axis=tuple(range(cells.ndim - 2))), -1).any())
 
 
+def _alone_then(before, own: np.ndarray) -> bool:
+    """The first pass held the step's positions as queries, and they saw no key outside the step's own span there (a
+    packed document run again alone at its positions: its keys then were its own)."""
+    lo, hi = int(own.min()), int(own.max())
+    if hi >= before.shape[2]:
+        return False
+    cells = keep(before)
+    if cells is None:
+        return False
+    rows = cells.any(axis=tuple(range(cells.ndim - 2)))[lo:hi + 1]
+    return not rows[:, :lo].any() and not rows[:, hi + 1:].any()
+
+
 def uncached(run: Run) -> list:
     """(call, Finding) for the first step of each site handed only its own keys while placed past them all."""
     found = []
@@ -44,7 +58,8 @@ def uncached(run: Run) -> list:
             if _first_pass(call, own):
                 before = call
                 continue
-            if before is None or not q_len or q_len != k_len or own[0] < k_len or k_len >= before.shape[3]:
+            if before is None or not q_len or q_len != k_len or own[0] < k_len or k_len >= before.shape[3] \
+                    or _alone_then(before, own):
                 continue
             said = "the model call's positions" if top is None else f"the positions {top.where} states"
             found.append((call, Finding("decode-keys-missing", (
