@@ -35,16 +35,19 @@ def _first_pass(call, own: np.ndarray) -> bool:
 
 
 def _alone_then(before, own: np.ndarray) -> bool:
-    """The first pass held the step's positions as queries, and they saw no key outside the step's own span there (a
-    packed document run again alone at its positions: its keys then were its own)."""
+    """The first pass held the step's positions as queries, and in some batch row (head) they saw keys of the step's
+    own span and none outside it (a packed document, or a left-padded row's real tokens, run again alone at their
+    positions: their keys then were their own)."""
     lo, hi = int(own.min()), int(own.max())
     if hi >= before.shape[2]:
         return False
     cells = keep(before)
     if cells is None:
         return False
-    rows = cells.any(axis=tuple(range(cells.ndim - 2)))[lo:hi + 1]
-    return not rows[:, :lo].any() and not rows[:, hi + 1:].any()
+    rows = cells.reshape(-1, *cells.shape[-2:])[:, lo:hi + 1]  # (batch rows x heads, the step's positions, keys)
+    inside = rows[:, :, lo:hi + 1].any(axis=(1, 2))
+    outside = rows[:, :, :lo].any(axis=(1, 2)) | rows[:, :, hi + 1:].any(axis=(1, 2))
+    return bool((inside & ~outside).any())  # (in some batch row: a left-padded row's real tokens, run again alone)
 
 
 def uncached(run: Run) -> list:
