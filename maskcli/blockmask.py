@@ -157,14 +157,17 @@ def layout(mask: Mask, q_block: int = DEFAULT_BLOCK, kv_block: int = DEFAULT_BLO
             counts = block_counts(mask, b, h, q_block, kv_block, progress)
             is_full = counts == q_block * kv_block  # a block cut short by the end is padded with hidden cells
             is_partial = (counts > 0) & ~is_full
-            rows = {
-                "kv_num_blocks": is_partial.sum(1), "kv_indices": np.argsort(~is_partial, axis=1, kind="stable"),
-                "full_kv_num_blocks": is_full.sum(1), "full_kv_indices": np.argsort(~is_full, axis=1, kind="stable"),
-            }
+            rows = {"kv_num_blocks": is_partial.sum(1), "full_kv_num_blocks": is_full.sum(1)}
+            if indices:  # (blocks --summary reads the counts alone: no index arrays, whichever path counted them)
+                rows.update(kv_indices=np.argsort(~is_partial, axis=1, kind="stable"),
+                            full_kv_indices=np.argsort(~is_full, axis=1, kind="stable"))
             for name, value in rows.items():
                 parts[name].append(np.asarray(value, dtype=np.int32))
+    parts = {name: values for name, values in parts.items() if values}
     if mask.batch * heads == 1:  # one (batch, head): a view, not a copy of the largest arrays
         stacked = {name: values[0][None, None] for name, values in parts.items()}
     else:
         stacked = {name: np.stack(values).reshape((mask.batch, heads) + values[0].shape) for name, values in parts.items()}
+    stacked.setdefault("kv_indices", None)
+    stacked.setdefault("full_kv_indices", None)
     return Blocks(mask, q_block, kv_block, **stacked)

@@ -119,3 +119,15 @@ def test_the_counts_of_4m_causal_tokens_need_no_block_map():
     n = 4_194_304 // 128
     ours = layout(build("causal", MaskOptions(length=4_194_304)), indices=False)
     assert ours.counts(0) == (n * (n - 1) // 2, n, n * n - n * (n - 1) // 2 - n)
+
+
+def test_counts_alone_of_a_mask_counted_block_by_block_make_no_indices():
+    """A mask counted block by block (chunk labels that fall, [1, 0]: no intervals) makes no index arrays where only
+    its counts are asked for (hypothesis found the block-by-block path building them anyway), and its counts are
+    create_block_mask's."""
+    mask = build("chunk(1,0)", MaskOptions(length=2))
+    flex = create_block_mask(mask.mask_mod, mask.batch, mask.heads, 2, 2, device="cpu", BLOCK_SIZE=(1, 1))
+    ours = layout(mask, 1, 1, indices=False)
+    assert ours.kv_indices is None and ours.full_kv_indices is None
+    assert ours.kv_num_blocks.tolist() == flex.kv_num_blocks.tolist()
+    assert ours.full_kv_num_blocks.tolist() == flex.full_kv_num_blocks.tolist()
