@@ -16,11 +16,12 @@ _CELLS = 1 << 22  # (B, L, D) elements hashed at most (32 MB of int64 made once)
 _WEIGHTS: dict = {}
 
 
-def _weights(width: int) -> torch.Tensor:
-    """A fixed odd int64 weight per dimension (its own generator: the program's random state is left alone)."""
+def hash_weights(width: int) -> np.ndarray:
+    """A fixed odd int64 weight per dimension, so that `(rows * weights).sum(-1)` hashes int64 rows (int64 wraps: equal
+    rows, equal hashes); its own generator: the program's random state is left alone (trace/keyscale.py hashes too)."""
     if width not in _WEIGHTS:
         rng = np.random.default_rng(width)
-        _WEIGHTS[width] = torch.from_numpy(rng.integers(1, 1 << 40, size=width, dtype=np.int64) * 2 + 1)
+        _WEIGHTS[width] = rng.integers(1, 1 << 40, size=width, dtype=np.int64) * 2 + 1
     return _WEIGHTS[width]
 
 
@@ -34,7 +35,7 @@ def embed_ids(given: dict, found: dict) -> dict:
         return {}
     with torch.no_grad():
         bits = value.detach().to("cpu", torch.float32).contiguous().view(torch.int32).to(torch.int64)
-        ids = (bits * _weights(bits.shape[-1])).sum(-1)  # (int64 wraps: a hash, equal bits give equal ids)
+        ids = (bits * torch.from_numpy(hash_weights(bits.shape[-1]))).sum(-1)  # (int64 wraps: a hash, equal bits give equal ids)
     return {"embeds_ids": ids.numpy()}
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from maskcli.trace.embedids import hash_weights
+
 ROWS = 1024  # keys of batch row 0's first head read at most per call
 DIGITS = 3  # decimals of a row's direction within its pairs (its lookup key)
 TOLERANCE = 1e-4  # relative spread of one factor (float32 rotations keep norms to ~1e-6)
@@ -31,7 +33,6 @@ SCALED = 1e-3  # a factor this far from 1 or further is a scaling
 
 _SITE: list = [None]  # the site of the call being read (set by `at`, from capture.py)
 _LAST: dict = {}  # site -> (its last call's keys, their count)
-_MULTIPLIERS: dict[int, np.ndarray] = {}  # a direction's length -> the odd int64 weights that hash it
 
 
 def at(site: tuple, where: str) -> tuple:
@@ -76,14 +77,7 @@ def _directions(squares: np.ndarray, pairing: int) -> tuple[list, list]:
     norms = np.sqrt(pairs[0] + pairs[1])
     directions = np.rint(norms[usable] / total[usable, None] * 10 ** DIGITS).astype(np.int64)  # (DIGITS decimals)
     varied = np.ptp(directions, axis=1) > 1  # (pairs all alike, `ones`: any such row is any other)
-    return (directions[varied] @ _weights(half)).tolist(), total[usable][varied].tolist()  # (int64 wraps: a hash)
-
-
-def _weights(length: int) -> np.ndarray:
-    weights = _MULTIPLIERS.get(length)
-    if weights is None:
-        weights = _MULTIPLIERS[length] = np.random.default_rng(length).integers(1, 1 << 62, size=length, dtype=np.int64) | 1
-    return weights
+    return (directions[varied] @ hash_weights(half)).tolist(), total[usable][varied].tolist()  # (int64 wraps: a hash)
 
 
 def forget() -> None:
