@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 
+from maskcli.checks.intent import NAMES as CONFIGS  # (the names a module keeps its config under)
+
 WINDOW = re.compile(r"^(?!sliding)(?:[a-z]+_)*window(?:_size|_len|_length)?$")  # attn_window_size, local_window, window
-CONFIGS = ("config", "cfg", "args", "hparams", "params", "model_args", "model_config", "conf")  # (checks/intent.NAMES)
 _READ: dict = {}  # (ids of the stack's modules) -> (the modules, what they state)
 
 
