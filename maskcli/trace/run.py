@@ -123,9 +123,9 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
                 sys.argv = [script, *args]
                 _run_script(script)
         finally:  # python reads its exit and prints its traceback in C, whatever the program made of int, len or id
-            theirs = _put_builtins(ours)
+            theirs = _put_back(ours)
             for tool, values in tools.items():  # (os.chdir, sys.exc_info, traceback.print_exception, json.dump,
-                _put_builtins(values, tool)  # tempfile.mkstemp the program replaced: python's own ending calls none)
+                _put_back(values, tool)  # tempfile.mkstemp the program replaced: python's own ending calls none)
         return 0
     except SystemExit as stop:
         code = stop.code
@@ -159,7 +159,7 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
             os.chdir(saved_folder)
 
 
-def _put_builtins(values: dict, module=builtins) -> dict:
+def _put_back(values: dict, module=builtins) -> dict:
     """What the builtins module (or `module`) holds, after `values` are put back in it (names the program added stay:
     its atexit code and its threads may use them). Reads and writes it with functions bound when maskcli imported
     this module."""
@@ -287,17 +287,17 @@ def _print_traceback(theirs: dict, before) -> None:
         chained = chained.__cause__ or chained.__context__
     hook = sys.excepthook
     if hook not in (sys.__excepthook__, None, before):  # the program's own hook, which python calls instead
-        ours = _put_builtins(theirs)
+        ours = _put_back(theirs)
         try:
             hook(kind, error, error.__traceback__)
             return
         except BaseException as failed:  # noqa: BLE001 - python's words for a hook that raises, then the error itself
-            _put_builtins(ours)
+            _put_back(ours)
             print("Error in sys.excepthook:", file=sys.stderr)
             traceback.print_exception(type(failed), failed, _without_ours(failed.__traceback__), file=sys.stderr, chain=False)
             print("\nOriginal exception was:", file=sys.stderr)
         finally:
-            _put_builtins(ours)
+            _put_back(ours)
     traceback.print_exception(kind, error, error.__traceback__, file=sys.stderr)
 
 
