@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -557,3 +558,51 @@ def test_a_program_that_blocks_numpy_in_sys_modules_still_gets_its_report(tmp_pa
     plain, traced = run_both(tmp_path, ["blocks.py"])
     assert plain.returncode == traced.returncode == 0 and plain.stdout == traced.stdout == "blocked\n"
     assert traced.stderr.startswith(REPORT + "blocks.py: 0 attention calls")
+
+
+@pytest.mark.parametrize(("body", "shown"), [
+    ("sys.stdout = W()\nprint('lost')\n", True),
+    ("sys.stderr = W()\nprint('kept')\nsys.exit(3)\n", False),
+])
+def test_a_stream_whose_flush_raises_at_the_end_exits_120_as_under_python(tmp_path, body, shown):
+    """Hunt 9b: python's exit flushes sys.stdout and sys.stderr and exits 120 where either raises (stdout's error
+    printed as an unraisable one); trace suppressed both and exited 0 (or the program's 3)."""
+    stream = "class W:\n    def write(self, s):\n        return len(s)\n    def flush(self):\n        raise OSError('no flush')\n"
+    write(tmp_path / "flushes.py", "import sys\n" + stream + body)
+    plain, traced = run_both(tmp_path, ["flushes.py"])
+    assert plain.returncode == traced.returncode == 120 and plain.stdout == traced.stdout
+    assert ("Exception ignored in: <__main__.W object at" in plain.stderr) is shown
+    at = lambda text: re.sub(r"0x[0-9a-f]+", "0x", text)  # noqa: E731 - the object's address differs run to run
+    assert at(traced.stderr).startswith(at(plain.stderr) + REPORT + "flushes.py: 0 attention calls")
+
+
+def test_a_program_that_clears_sys_modules_still_gets_its_report(tmp_path):
+    """Hunt 9b: sys.modules.clear() left the report importing a `sys` of its own: "unexpected AttributeError: module
+    'sys' has no attribute 'warnoptions' (a maskcli bug ...)", exit 2."""
+    write(tmp_path / "clears.py", """
+        import sys
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        sys.modules.clear()
+        print("cleared")
+    """)
+    plain, traced = run_both(tmp_path, ["clears.py"])
+    assert plain.returncode == traced.returncode == 0 and plain.stdout == traced.stdout == "cleared\n"
+    assert traced.stderr.startswith(REPORT + "clears.py: 1 attention call in 1 group"), traced.stderr
+
+
+def test_a_program_that_replaces_torch_save_still_gets_its_calls_saved(tmp_path):
+    """Hunt 9b: torch.save = None left by the program: "cannot write 'calls.pt': TypeError: 'NoneType' object is not
+    callable (is the disk full?)", exit 2, where the disk was fine."""
+    write(tmp_path / "saves.py", """
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        torch.save = None
+    """)
+    plain, traced = run_both(tmp_path, ["saves.py"], ["--save", "calls.pt"])
+    assert plain.returncode == traced.returncode == 0, traced.stderr
+    assert (tmp_path / "calls.pt").stat().st_size > 0 and "wrote " in traced.stderr

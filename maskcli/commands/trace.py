@@ -153,6 +153,8 @@ def trace(
         if job is not None:  # (a launcher's SIGTERM from now on: the ranks' report still comes out)
             job.ended(world)
         join_threads(before)  # (python's exit joins them before its atexit functions; their calls are the program's)
+    if world.unflushed:  # the program's stdout or stderr raised when flushed at its end: python exits 120
+        status = 120
     if world.forked():  # a child the program forked, back from its code: it exits as it would, its parent reports
         raise typer.Exit(status)
     if OWN_PROCESS and others():  # daemon threads: held where the program's end left them while the report is

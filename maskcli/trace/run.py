@@ -57,6 +57,7 @@ class World:
     def __init__(self, handlers: dict | None = None):
         self.handlers = handlers or {}  # signal number -> the handler before maskcli's (commands.main keeps them)
         self.flush = True  # False where the program ends by os._exit, which flushes nothing
+        self.unflushed = False  # a flush of the program's stdout or stderr raised: python then exits 120
 
     def __enter__(self) -> World:
         self.streams = (sys.stdout, sys.stderr)
@@ -69,9 +70,8 @@ class World:
         return self
 
     def __exit__(self, *exc) -> None:
-        for stream in (sys.stdout, sys.stderr) if self.flush else ():  # python flushes them at exit: the program's own,
-            with contextlib.suppress(Exception):  # wherever they go
-                stream.flush()
+        if self.flush:  # python flushes them at exit: the program's own, wherever they go
+            self.unflushed = _flush_as_python(sys.stdout, sys.stderr)
         sys.stdout, sys.stderr = self.streams
         sys.setrecursionlimit(max(self.limit, sys.getrecursionlimit()))
         for name, value in self.builtins.items():
@@ -83,6 +83,51 @@ class World:
     def forked(self) -> bool:
         """This process is a child the program forked that returned from its code (its parent reports the trace)."""
         return os.getpid() != self.pid
+
+
+def _flush_as_python(stdout, stderr) -> bool:
+    """Flush the program's streams as python's exit does (pylifecycle.c flush_std_files): stdout's error printed as an
+    unraisable one ("Exception ignored in: ..."), stderr's dropped; True where either raised (python exits 120)."""
+    failed = False
+    for stream, said in ((stdout, True), (stderr, False)):
+        if stream is None or _closed(stream):
+            continue
+        try:
+            stream.flush()
+        except Exception as error:  # noqa: BLE001 - the program's stream: whatever it raises is python's to report
+            failed = True
+            if said:
+                with contextlib.suppress(Exception):
+                    _unraisable(error, stream)
+    return failed
+
+
+def _unraisable(error: BaseException, stream) -> None:
+    """PyErr_WriteUnraisable's lines for `error` raised by `stream`.flush() (the program's sys.unraisablehook where it set
+    one; python's default prints the stream and the traceback from the stream's own frame)."""
+    tb = error.__traceback__.tb_next if error.__traceback__ is not None else None  # (this module's frame left out)
+    if sys.unraisablehook is not sys.__unraisablehook__:
+        sys.unraisablehook(types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=tb, err_msg=None,
+                                                 object=stream))
+        return
+    out = sys.stderr
+    if out is None:
+        return
+    try:
+        shown = repr(stream)
+    except Exception:  # noqa: BLE001 - the program's object
+        shown = "<object repr() failed>"
+    out.write(f"Exception ignored in: {shown}\n")
+    traceback.print_exception(type(error), error, tb, file=out)
+    out.flush()
+
+
+def _closed(stream) -> bool:
+    """A true `closed` (python's file_is_closed: one that raises reads as open)."""
+    try:
+        return bool(stream.closed)
+    except Exception:  # noqa: BLE001 - the program's object
+        return False
 
 
 def _set_signal(number: int, handler) -> None:
@@ -97,8 +142,7 @@ interrupted = False  # the program ended by a KeyboardInterrupt it did not catch
 def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     """The program's exit status: 0, its sys.exit code, or 1 after an exception (its traceback on stderr)."""
     saved_argv, saved_path, saved_folder, saved_hook = sys.argv[:], sys.path[:], os.getcwd(), sys.excepthook
-    modules = {name: module for name, module in sys.modules.items()  # what the trace's own exit and report import
-               if name.partition(".")[0] in ("torch", "maskcli", "numpy")}
+    modules = dict(sys.modules)  # what the trace's own exit and report import (sys.modules.clear() left a new `sys`)
     saved_show = warnings.showwarning
     warnings.showwarning = _as_the_programs(saved_show)
     limits = sys.setrecursionlimit, sys.getrecursionlimit, sys.getrecursionlimit()
@@ -108,8 +152,9 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     import tempfile
 
     import numpy
+    import torch
 
-    tools = {tool: dict(vars(tool)) for tool in (os, os.path, traceback, contextlib, runpy, json, tempfile, numpy)}
+    tools = {tool: dict(vars(tool)) for tool in (os, os.path, traceback, contextlib, runpy, json, tempfile, numpy, torch)}
     tools[sys] = {name: value for name, value in vars(sys).items()  # what maskcli's code after the program calls (not
                   if callable(value) and not name.endswith("hook")}  # the hooks: the program's excepthook runs as python's)
     try:
@@ -154,7 +199,8 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         sys.excepthook = saved_hook  # a hook the program set (torch.distributed's "[rank0]:" prefix) ends with it
         for name, module in modules.items():  # a program that del sys.modules["torch"]: importing torch again would
             if sys.modules.get(name) is None:  # register its operators twice (RuntimeError) in the trace's report;
-                sys.modules[name] = module  # (one the program set to None: "import of numpy halted")
+                sys.modules[name] = module  # (one the program set to None: "import of numpy halted"; sys.modules
+                # cleared: `import warnings` made a `sys` of its own, with no warnoptions)
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
             os.chdir(saved_folder)
 
