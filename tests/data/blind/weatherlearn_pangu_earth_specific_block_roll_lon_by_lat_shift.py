@@ -1,4 +1,4 @@
-# WeatherLearn (lizhuoq/WeatherLearn commit dc896e6, "fix typo in window shift"), Pangu-Weather EarthSpecificBlock:
+# WeatherLearn (lizhuoq/WeatherLearn#4, commit dc896e6 "fix typo in window shift"), Pangu-Weather EarthSpecificBlock:
 # the shifted block rolls the longitude axis by shift_lat instead of shift_lon, so the window grid no longer matches
 # the shift-window mask (built for shift_lon) and the reverse roll by shift_lon puts every token 3 columns off.
 import sys
