@@ -20,7 +20,7 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.expression import parse
-from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, matching, placed_at, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
+from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, matching, placed_at, on_terms, profile, runs, same_cells, same_each, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
 from maskcli.intervals import Intervals, NotFew
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds.padding import key_runs
@@ -80,8 +80,11 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
     says the table did; `rows`: the tensor's first batch row and head as `runs` gives them): a Mask is built only
     for a candidate whose cells are the tensor's, and then checked on every batch row and head: on the positions the
     table placed it at, where `known` holds them (`placed_at`), else placed again."""
+    single = keep.shape[:2] == (1, 1) and keep.shape[2] != 1  # one batch row and head: its runs are all its cells
+    if rows is None and (single or not isinstance(expression, str) and keep.shape[2] != 1 and not compared):
+        rows = runs(keep[0, 0])
     if not isinstance(expression, str) and keep.shape[2] != 1 and not compared:
-        if matching([(expression, options)], keep.shape[2:], rows if rows is not None else runs(keep[0, 0]))[0] is False:
+        if matching([(expression, options)], keep.shape[2:], rows)[0] is False:
             return None
     try:
         place = placed_at(options, known) if known is not None and not isinstance(expression, str) else None
@@ -112,6 +115,8 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
             return None
         cells = built.dense()
         return built if bool((cells == keep).all()) else None
+    if single and rows is not None and built.batch == 1 and built.exact and f.k_start == 0:  # on intervals: no
+        return built if bool(same_each(built.intervals(), rows)[0]) else None  # second Lq x Lk array of cells
     cells = built.dense()  # (B', 1, Lq', Lk)
     return built if np.array_equal(np.broadcast_to(cells, keep.shape), keep) else None
 

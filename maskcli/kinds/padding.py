@@ -15,20 +15,35 @@ from maskcli.kinds.base import Kind
 
 
 def key_runs(valid: np.ndarray, frame, what: str = "the padding") -> Intervals:
-    """Runs of real (non-pad) keys per batch row, as (B, 1, K) intervals."""
-    edges = np.diff(np.pad(valid.astype(np.int8), [(0, 0), (1, 1)]), axis=1)
-    counts = (edges == 1).sum(axis=1)
-    width = max(1, int(counts.max()))
+    """Runs of real (non-pad) keys per batch row, as (B, 1, K) intervals. Reads `valid` (B, S) by two comparisons of
+    neighbouring columns, each one bool array of its size at a time (a 20,000^2 tensor's rows: no int copies)."""
+    valid = np.asarray(valid).astype(bool, copy=False)
+    batch, size = valid.shape
+    stride = size + 1  # (a run's start and end keyed row * stride + column: its end may be `size`)
+    starts = _edges(valid[:, 0], valid[:, 1:] > valid[:, :-1], 0, stride)  # a real key after a pad, or first
+    ends = _edges(valid[:, -1], valid[:, :-1] > valid[:, 1:], size, stride)  # a pad after a real key, or the last
+    rows, begin = np.divmod(starts, stride)
+    finish = ends % stride
+    counts = np.bincount(rows, minlength=batch)
+    width = max(1, int(counts.max(initial=0)))
     if width > MAX_PER_ROW:
         raise NotFew(f"{what}: a batch row has {width} separate runs of real tokens")
-    starts = np.full((valid.shape[0], width), frame.k_end, dtype=np.int64)
-    ends = np.full((valid.shape[0], width), frame.k_end, dtype=np.int64)
-    rows, begin = np.divmod(np.flatnonzero(edges == 1), edges.shape[1])  # 1-D nonzero: several times a 2-D one's speed
-    finish = np.flatnonzero(edges == -1) % edges.shape[1]
+    first = np.full((batch, width), frame.k_end, dtype=np.int64)
+    last = np.full((batch, width), frame.k_end, dtype=np.int64)
     rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
-    starts[rows, rank] = begin
-    ends[rows, rank] = finish
-    return Intervals.of(starts[:, None, :], ends[:, None, :], frame.k_start, frame.k_end)
+    first[rows, rank] = begin
+    last[rows, rank] = finish
+    return Intervals.of(first[:, None, :], last[:, None, :], frame.k_start, frame.k_end)
+
+
+def _edges(outer: np.ndarray, inner: np.ndarray, at: int, stride: int) -> np.ndarray:
+    """Sorted keys row * stride + column of the edges: rows where `outer` (a run at column `at`: 0 or the row's end),
+    and the columns (1 after the cell) where `inner` (B, S - 1) is True."""
+    found = np.flatnonzero(inner)  # 1-D nonzero: several times a 2-D one's speed
+    rows, column = np.divmod(found, max(1, inner.shape[1]))
+    keys = np.concatenate([np.flatnonzero(outer) * stride + at, rows * stride + column + 1])
+    keys.sort()
+    return keys
 
 
 def _intervals(p, frame):
