@@ -150,3 +150,18 @@ def test_a_kind_its_declarations_rule_out_at_a_placement_is_not_asked_for_candid
     # key padding may cut a query's own key and key 0: then only a later key seen rules a kind out
     cut = {name for name, _, _ in candidates(keep, place, "masked", rows=runs(keep), uncut=False)}
     assert {name for name in out if not kind(name).causal} <= cut and not cut & {name for name in out if kind(name).causal}
+
+
+@pytest.mark.parametrize("cells", [1, 5, 1 << 22])
+def test_profile_reads_each_rows_first_and_last_key_whatever_block_of_rows_it_reads(cells, monkeypatch):
+    """profile's last visible key per row, read a block of rows at a time (inspect of a 20,000^2 tensor copied it
+    whole), against a loop over each row's keys."""
+    import maskcli.inspect.candidates as module
+
+    monkeypatch.setattr(module, "CELLS", cells)
+    keep = np.random.default_rng(cells).random((9, 7)) < 0.4
+    keep[3] = False
+    got = profile(keep, 2, 5, "keep")
+    for q, row in enumerate(keep):
+        keys = [k for k in range(7) if row[k]]
+        assert got.first[q] == (keys[0] if keys else 7) + 5 and got.last[q] == (keys[-1] if keys else -1) + 5

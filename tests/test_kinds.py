@@ -278,3 +278,37 @@ def test_recognised_asks_every_kind_once_and_makes_each_candidates_intervals_at_
     unmade = recognised(all_kinds(), [(0, _profile(keep), frozenset(), None, frozenset())], 4096)
     assert [(k.name, c) for k, c, _, _ in unmade] == [(k.name, c) for k, c, _, _ in found]
     assert all(made is NOT_MADE for *_, made in unmade)
+
+
+def _runs_by_loop(row) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in `row`, walked key by key."""
+    found, start = [], None
+    for key, real in enumerate(list(row) + [False]):
+        if real and start is None:
+            start = key
+        elif not real and start is not None:
+            found.append((start, key))
+            start = None
+    return found
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=1, max_size=12), min_size=1, max_size=5).filter(
+    lambda rows: len({len(row) for row in rows}) == 1), st.sampled_from([1, 3, 1 << 22]))
+def test_key_runs_are_the_runs_a_loop_finds_whatever_block_of_rows_it_reads(rows, cells):
+    """kinds.padding.key_runs (the padding kind's intervals, inspect's reading of a tensor's rows) against a walk key by
+    key; `cells`: how many it compares at a time (a block of rows: one row, or every row at once)."""
+    from types import SimpleNamespace
+
+    import maskcli.kinds.padding as padding
+
+    valid = np.array(rows, dtype=bool)
+    kept = padding.CELLS
+    padding.CELLS = cells
+    try:
+        got = padding.key_runs(valid, SimpleNamespace(k_start=0, k_end=valid.shape[1]))
+    finally:
+        padding.CELLS = kept
+    for b, row in enumerate(valid):
+        read = [(int(s), int(e)) for s, e in zip(got.starts[b, 0], got.ends[b, 0]) if s < e]
+        assert read == _runs_by_loop(row)

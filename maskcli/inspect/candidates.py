@@ -26,7 +26,7 @@ from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
 from maskcli.kinds.base import NOT_MADE, Kind, Profile, recognised
-from maskcli.kinds.padding import key_runs
+from maskcli.kinds.padding import CELLS, key_runs
 from maskcli.mask import MaskOptions
 from maskcli.positions import Frame
 from maskcli.terms import Term, placed_each
@@ -51,12 +51,23 @@ def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile
     return Profile(
         q=np.arange(q_start, q_start + q_len),
         first=np.where(seen, ref.argmax(axis=1), k_len) + k_start,
-        last=np.where(seen, k_len - 1 - ref[:, ::-1].argmax(axis=1), -1) + k_start,
+        last=np.where(seen, _last(ref), -1) + k_start,
         seen=seen,
         k_start=k_start,
         k_end=k_start + k_len,
         marked=marked,
     )
+
+
+def _last(ref: np.ndarray) -> np.ndarray:
+    """The last True column of each row (0 where none), a block of rows at a time: argmax of a reversed view copies
+    the block it reads (a 20,000^2 tensor's rows at once: 400 MB)."""
+    k_len = ref.shape[1]
+    found = np.empty(ref.shape[0], dtype=np.int64)
+    step = max(1, CELLS // max(1, k_len))
+    for row in range(0, ref.shape[0], step):
+        found[row:row + step] = k_len - 1 - ref[row:row + step, ::-1].argmax(axis=1)
+    return found
 
 
 def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str, base: Profile | None = None,

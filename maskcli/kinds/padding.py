@@ -14,14 +14,22 @@ from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
 from maskcli.kinds.base import Kind
 
 
+CELLS = 1 << 22  # cells of a tensor's rows key_runs compares at a time
+
+
 def key_runs(valid: np.ndarray, frame, what: str = "the padding") -> Intervals:
     """Runs of real (non-pad) keys per batch row, as (B, 1, K) intervals. Reads `valid` (B, S) by two comparisons of
-    neighbouring columns, each one bool array of its size at a time (a 20,000^2 tensor's rows: no int copies)."""
-    valid = np.asarray(valid).astype(bool, copy=False)
+    neighbouring columns, a block of rows at a time (a 20,000^2 tensor's rows: no copy of it, in any dtype)."""
+    valid = np.asarray(valid)
     batch, size = valid.shape
     stride = size + 1  # (a run's start and end keyed row * stride + column: its end may be `size`)
-    starts = _edges(valid[:, 0], valid[:, 1:] > valid[:, :-1], 0, stride)  # a real key after a pad, or first
-    ends = _edges(valid[:, -1], valid[:, :-1] > valid[:, 1:], size, stride)  # a pad after a real key, or the last
+    step = max(1, CELLS // max(1, size))  # rows read at a time: their temporaries stay small (and in cache)
+    found = [], []
+    for row in range(0, batch, step):
+        part = valid[row:row + step].astype(bool, copy=False)
+        found[0].append(_edges(part[:, 0], part[:, 1:] > part[:, :-1], 0, stride) + row * stride)  # a real key after
+        found[1].append(_edges(part[:, -1], part[:, :-1] > part[:, 1:], size, stride) + row * stride)  # a pad, or first;
+    starts, ends = (np.concatenate(keys) for keys in found)  # a pad after a real key, or the last
     rows, begin = np.divmod(starts, stride)
     finish = ends % stride
     counts = np.bincount(rows, minlength=batch)
