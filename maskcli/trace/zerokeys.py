@@ -32,8 +32,7 @@ def zero_keys(k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -> dict:
         cells, values = _cpu(k), _cpu(v)
         if cells is None or values is None or cells.shape[:3] != tuple(k_shape[:3]) or values.shape[:3] != cells.shape[:3]:
             return {}
-        edges = [0, k_shape[2] - 1]
-        if not ((cells[:, :, edges, 0] == 0) & (values[:, :, edges, 0] != 0)).any():
+        if not any(((cells[:, :, at, 0] == 0) & (values[:, :, at, 0] != 0)).any() for at in (0, -1)):
             return {}  # (no edge key zero in K alone: a static cache's unwritten slots, zero in V too, or none)
         zero = ~(cells[..., 0] != 0).any(axis=1) & (values[..., 0] != 0).any(axis=1)  # (B, Lk): K's first dim 0, V's not
         if not zero.any() or zero.all():
