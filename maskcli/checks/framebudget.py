@@ -37,7 +37,8 @@ def over_budget(run: Run) -> list:
         if local is None:
             continue  # (frames stated, no cache size: every frame kept)
         budget, done = local * per_frame, {}
-        for call in run.made_by(top):
+        unmasked = [call for call in run.unmasked if top.first <= call.index < top.end]  # (a softmax masking nowhere)
+        for call in [*run.made_by(top), *unmasked]:
             if call.shape[3] <= budget or cross(call):
                 continue
             key = (call.mask, call.shape)
