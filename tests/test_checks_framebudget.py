@@ -40,3 +40,31 @@ def test_causvid_rolling_cache_keeps_sink_plus_local_frames(tmp_path):
     assert "(4 frames of 4 tokens)" in hits[0]["message"] and tuple(hits[0]["cell"]) == (0, 0, 4), report
     status, found, report = traced(tmp_path, "causvid_rolling_cache_keeps_sink_plus_local_frames", True, FRAMES)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def _never_rolled(blocks: int, block_tokens: int) -> list[int]:
+    """Keys each block's queries see over a cache that keeps every earlier frame (a plain loop over the blocks)."""
+    return [sum(block_tokens for _ in range(b + 1)) for b in range(blocks)]
+
+
+def test_fastvideo_causal_wan_kv_cache_sink_and_window_from_wrong_frame_seqlen(tmp_path):
+    """hao-ai-lab/FastVideo#1355 (commit 63030cf), written blind: the denoising stage read local_attn_size off
+    `transformer.model` (absent: -1) and sized the cache for 21 frames, so it never rolled, while every attention
+    layer states local_attn_size=4, sink_size=1; the stage states frame_seq_length=4. A block of 2 frames (8 tokens)
+    then sees every earlier frame: the last block 32 keys, past 4 x 4."""
+    hits = check_bug(tmp_path, "fastvideo_causal_wan_kv_cache_sink_and_window_from_wrong_frame_seqlen",
+                     "frames-over-cache")
+    seen = _never_rolled(blocks=4, block_tokens=2 * 4)
+    over = sorted(int(f["message"].split(" sees ")[1].split()[0]) for f in hits)
+    assert over[-1] == max(seen) == 32 and all(n > 4 * 4 for n in over)
+    assert all("local_attn_size=-1" in f["source"] and "never rolls" in f["message"] for f in hits)
+
+
+def test_pipeline_window_read_off_wrong_key_cache_never_rolls(tmp_path):
+    """Written another way: a pipeline reads its window off a dict key the config lacks (-1) and sizes heads-first
+    caches for the whole video; every layer states local_attn_size=3, no sink; the pipeline tokens_per_frame=4;
+    hand-written softmax, batch of 3, one frame a block. Its fix asks the model: quiet."""
+    hits = check_bug(tmp_path, "pipeline_window_read_off_wrong_key_cache_never_rolls", "frames-over-cache", FRAMES)
+    seen = _never_rolled(blocks=6, block_tokens=4)
+    over = sorted({int(f["message"].split(" sees ")[1].split()[0]) for f in hits})
+    assert over == [n for n in seen if n > 3 * 4] == [16, 20, 24]

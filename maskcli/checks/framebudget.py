@@ -37,7 +37,8 @@ def over_budget(run: Run) -> list:
         if local is None:
             continue  # (frames stated, no cache size: every frame kept)
         budget, done = local * per_frame, {}
-        for call in run.made_by(top):
+        unmasked = [call for call in run.unmasked if top.first <= call.index < top.end]  # (a softmax masking nowhere)
+        for call in [*run.made_by(top), *unmasked]:
             if call.shape[3] <= budget or cross(call):
                 continue
             key = (call.mask, call.shape)
@@ -64,8 +65,15 @@ def _finding(call, budget: int, local: int, per_frame: int, sink, source: str) -
     return Finding("frames-over-cache", (
         f"batch row {b}: query {q} sees {count} keys ({count / per_frame:g} frames of {per_frame} tokens), while "
         f"{source} keeps {local} frames ({budget} keys) in the rolling KV cache{sinks}: the window counts frames the "
-        f"cache evicts (the sink frames counted again on top of local_attn_size?)"),
+        f"cache evicts ({_why(count - budget, (sink or 0) * per_frame)})"),
         expected=f"at most {budget} keys ({local} frames) per query", source=source, cell=(b, q, k))
+
+
+def _why(over: int, sink_keys: int) -> str:
+    """The likelier cause of `over` keys past the budget: the sink counted twice, else a cache that never rolls."""
+    if 0 < over <= sink_keys:
+        return "the sink frames counted again on top of local_attn_size?"
+    return "a cache that never rolls: local_attn_size read as -1 or the cache sized for the whole video?"
 
 
 RULES = (

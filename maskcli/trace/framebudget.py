@@ -44,7 +44,7 @@ def _budget(value) -> tuple | None:
     blocks = next(((n, get(n)) for n in BLOCKS if type(get(n)) is int and get(n) > 0), None)
     if frame is None or local is None and blocks is None:
         return None
-    names = ", ".join(f"{n}={v}" for n, v in (local, frame, sink, blocks) if n)
+    names = ", ".join(f"{one[0]}={one[1]}" for one in (local, frame, sink, blocks) if one)
     local = None if local is None or local[1] <= 0 else local[1]  # (-1: every frame kept)
     return local, frame[1], None if sink is None else sink[1], names
 
@@ -61,17 +61,44 @@ def frame_budget(root, places: list | None) -> list[Stated]:
                 label = f"{'self' if name == 'self' else 'self.' + name} of {type(module).__name__}"
                 found.setdefault(budget[:3], f"{budget[3]} ({label})")
     if not found:
+        own = _own_window(root)
         for where, variables in places or ():
             for name, value in list(variables.items()):
                 if name.startswith("_") or isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType)):
                     continue
                 budget = _budget(value) if isinstance(value, dict) or hasattr(value, "__dict__") else None
                 if budget is not None:
+                    budget = _layers_window(budget, own)
                     found.setdefault(budget[:3], f"{budget[3]} ({name}, {type(value).__name__}, {where})")
     if len(found) != 1:
         return []
     (budget, source), = found.items()
     return [Stated(source, None, {FLAG: budget})]
+
+
+def _own_window(root) -> tuple | None:
+    """(local_attn_size, sink frames or None, source) where the modules of `root` state a rolling window of frames
+    without the tokens a frame (FastVideo's CausalWanSelfAttention: its own `local_attn_size`, `sink_size`), all one
+    window; None where none states it or they differ."""
+    found = {}
+    for module in root.modules():
+        own = vars(module)
+        local, sink = own.get("local_attn_size"), next((own.get(n) for n in SINK if type(own.get(n)) is int), None)
+        if type(local) is int:
+            found.setdefault((local, sink), f"local_attn_size={local}{'' if sink is None else f', sink_size={sink}'} "
+                                            f"(self of {type(module).__name__})")
+    (key, source), = found.items() if len(found) == 1 else ((None, None),)
+    return None if key is None or key[0] <= 0 else (*key, source)
+
+
+def _layers_window(budget: tuple, own: tuple | None) -> tuple:
+    """`budget` read off an object of the program's frames (a pipeline stage holding the model), its window replaced by
+    the one the model's own layers state where they state one and the object's differs: the layers run the attention
+    (FastVideo#1355: the stage read local_attn_size off `transformer.model`, absent, and kept -1 while every
+    attention layer said 4)."""
+    if own is None or (budget[0], budget[2]) == own[:2] or budget[2] is not None and budget[2] != own[1]:
+        return budget
+    return own[0], budget[1], own[1], f"{own[2]}, a frame's tokens read beside {budget[3]}"
 
 
 BLOCK = "frame_block"  # (frames of a block, source): a FLAG of checks/intent.py

@@ -70,11 +70,14 @@ def _skip() -> tuple[str, ...]:
 def gathered_keys(seen, key: torch.Tensor, unmasked: bool, query=None, mask=None) -> None:
     """At a kernel call that masks nothing (`unmasked`) with several queries: where its keys were gathered from a padded
     batch across the mask a frame holds beside it (trace/gathered.py). And at any call, where its keys are the tail
-    of a longer key tensor (trace/sliced.py), and where its mask is a block of rows of a square one (trace/maskrows.py)."""
+    of a longer key tensor (trace/sliced.py), a window of a cache buffer past the sink a frame states (trace/sinkslots.py),
+    and where its mask is a block of rows of a square one (trace/maskrows.py)."""
     from maskcli.trace.maskrows import note as _rows
+    from maskcli.trace.sinkslots import note as _sink
     from maskcli.trace.sliced import note as _sliced
 
     _sliced(seen.details, key, query)
+    _sink(seen.details, key, _skip())
     if mask is not None:
         _rows(seen.details, mask, int(seen.shape[3]))
     if unmasked and seen.shape[2] > 1:
