@@ -18,18 +18,20 @@ from maskcli.text import Finding
 
 
 def multiplied(run: Run) -> list:
-    found, done = [], set()
+    """The first call of each site whose softmax still weighs cells a 0/1 product zeroed (trace/multiplied.py)."""
+    firsts = {}
     for call in [*run.calls, *run.cross, *run.unmasked]:
-        seen = call.details.get("multiplied")
-        if not seen or call.where in done:
-            continue
-        done.add(call.where)
-        found.append((call, Finding("ones-multiplied", (
-            f"the scores were multiplied by a 0/1 mask before the softmax: its 0s set {seen['cells']} cells of "
-            f"{seen['rows']} query rows to logit 0, not -inf, and the softmax still weighs them exp(0) beside the keys "
-            f"the mask keeps, so it hides nothing (add the mask as 0 / -inf, or masked_fill the scores where it is 0)"),
-            expected="the mask's 0s as -inf in the scores", source="a 0/1 tensor multiplied into the scores")))
-    return found
+        if call.details.get("multiplied"):
+            firsts.setdefault(call.where, call)
+    return [(call, _finding(call.details["multiplied"])) for call in firsts.values()]
+
+
+def _finding(seen: dict) -> Finding:
+    return Finding("ones-multiplied", (
+        f"the scores were multiplied by a 0/1 mask before the softmax: its 0s set {seen['cells']} cells of "
+        f"{seen['rows']} query rows to logit 0, not -inf, and the softmax still weighs them exp(0) beside the keys the "
+        f"mask keeps, so it hides nothing (add the mask as 0 / -inf, or masked_fill the scores where it is 0)"),
+        expected="the mask's 0s as -inf in the scores", source="a 0/1 tensor multiplied into the scores")
 
 
 RULES = (
