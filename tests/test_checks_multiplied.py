@@ -24,7 +24,7 @@ def test_swin_transformer_pytorch_window_mask_multiplied_into_the_logits(tmp_pat
 
 def test_a_padded_encoder_multiplying_its_key_mask_into_the_scores(tmp_path):
     """Written another way: torch.mul(scores, keep[:, None, None, :]) over a right-padded batch of 3 (6, 3 and 2 real
-    tokens), 4 heads, two layers; every query row of a padded sample weighs its padded keys at logit 0."""
+    tokens), 4 heads, two layers (one site); every query row of a padded sample weighs its padded keys at logit 0."""
     ids_real = (6, 3, 2)
     cells = rows = 0
     for real in ids_real:  # (the loop: each head and query row of a sample with padding, each padded key)
@@ -34,7 +34,7 @@ def test_a_padded_encoder_multiplying_its_key_mask_into_the_scores(tmp_path):
                 if padded and real:
                     cells, rows = cells + len(padded), rows + 1
     hits = check_bug(tmp_path, "padded_encoder_key_mask_multiplied_into_scores", "ones-multiplied", MULTIPLIED)
-    assert len(hits) == 2 and all(f"set {cells} cells of {rows} query rows" in hit["message"] for hit in hits), hits
+    assert hits and all(f"set {cells} cells of {rows} query rows" in hit["message"] for hit in hits), hits
 
 
 def _read(products: Products, x: torch.Tensor) -> dict | None:
