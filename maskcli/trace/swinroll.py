@@ -4,8 +4,8 @@ A running module holding `shift_size` and `window_size` (or `win_size`: Swin's S
 Pangu / FengWu's Transformer3DBlock, Uformer's, Video Swin's; an int or one per axis) rolls its (H, W) map (or Pangu's
 (Pl, Lat, Lon) one, where it states three shifts) by that shift before cutting
 it into windows, and its window mask is cut for that shift (checks/swinroll.py). The roll is read off the tensors the
-block's own forward frame holds while its window attention runs: two 4-D tensors of one shape of which one is the
-other rolled along two axes (channels last or first) by one offset only, found by the first plane's values and
+block's own forward frame holds while its window attention runs: two 4-D tensors (5-D for three shifts) of one shape
+of which one is the other rolled along two axes (three) (channels last or first) by one offset only, found by the first plane's values and
 confirmed with torch.roll on the whole tensor; the roll of the one the frame holds later from the one it holds first
 (the variables in the order the forward names them: the map, then the map rolled). The map is the one the block holds
 now, of whatever size (a block built for one `input_resolution` run on another: checks/swin.py reads the size rolled);
