@@ -51,6 +51,25 @@ def test_a_mask_cut_at_half_the_window_under_a_shift_of_one(tmp_path):
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
+def test_uformer_shifted_block_mask_with_no_region_labels(tmp_path):
+    """ZhendongWang6/Uformer c715ca5 (written blind, batch blind-ek): LeWinTransformerBlock (its window named
+    `win_size`) built its SW-MSA mask from an all-zero img_mask, so every pair of a shifted window is kept: it differs
+    from the loop's mask wherever the loop hides a pair."""
+    [hit] = check_bug(tmp_path, "uformer_lewin_block_shift_mask_without_region_labels", "swin-mask-regions")
+    differ = int((~reference(16, 16, 8, 4)).sum())
+    assert "shift_size=4, window_size=8 over a 16x16 map" in hit["message"], hit["message"]
+    assert f"differs in {differ} cells" in hit["message"]
+
+
+def test_a_padded_block_whose_region_labels_are_never_written(tmp_path):
+    """Written another way: a 10x10 map padded to 12x12, windows of 6 shifted by 3, a bool SDPA mask repeated for 2
+    images whose label map stayed all 0 (the loop rebinds a name): every pair the loop hides is kept."""
+    [hit] = check_bug(tmp_path, "padded_block_region_labels_never_written", "swin-mask-regions", SWIN)
+    differ = int((~reference(12, 12, 6, 3)).sum()) * 2
+    assert "shift_size=3, window_size=6 over a 12x12 map" in hit["message"], hit["message"]
+    assert f"differs in {differ} cells" in hit["message"]
+
+
 def test_swins_own_block_is_quiet(tmp_path):
     """microsoft/Swin-Transformer's construction, two blocks (no shift, then shift 2): nothing found."""
     folder = Path(__file__).parent / "data" / "quiet_blind"

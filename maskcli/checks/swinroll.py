@@ -3,11 +3,11 @@
 Swin and its ports (Pangu / FengWu's earth-specific blocks, Uformer, Video Swin) roll the (H, W) map by -shift_size
 and cut it into windows; the block's window mask is cut for that shift (its regions end at -window and -shift along
 each axis), so which tokens share a region is fixed by shift_size. A block that states shift_size (an int, or one per
-axis) and rolls its map along an axis by an amount that is neither -shift nor +shift of that axis (modulo its
-length) puts other tokens together than the ones its mask was cut for: the mask no longer marks the regions
+axis: two, or three as Pangu's pressure level, latitude and longitude) and rolls its map along an axis by an amount
+that is neither -shift nor +shift of that axis (modulo its length) puts other tokens together than the ones its mask was cut for: the mask no longer marks the regions
 (NVIDIA/physicsnemo#1492: FengWu's block rolled longitude by shift_lat, not shift_lon, its mask built for shift_lon).
 trace/swinroll.py reads the roll off the two tensors the block's forward holds (the map and the map rolled). Quiet
-where the roll is the stated shift along both axes, either way round, or where no single roll is found.
+where the roll is the stated shift along every axis, either way round, or where no single roll is found.
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ def rolled_otherwise(run: Run) -> list:
 
 def _finding(rolled: dict) -> Finding | None:
     shift, roll, size, dims = rolled["shift"], rolled["roll"], rolled["map"], rolled["dims"]
-    axes = [i for i in range(2) if _off(roll[i], shift[i], size[i])]
+    axes = [i for i in range(len(size)) if _off(roll[i], shift[i], size[i])]
     if not axes:
         return None
-    signed = tuple(r - n if r > n // 2 else r for r, n in zip(roll, size))  # (-1 read as -1, not n - 1)
+    signed = tuple(r - n if 2 * r >= n else r for r, n in zip(roll, size))  # (-1 read as -1, not n - 1)
     said = ", ".join(f"axis {dims[i]} (length {size[i]}) by {abs(signed[i])}, not {shift[i]}" for i in axes)
     return Finding("swin-roll-shift", (
         f"the block states shift_size={tuple(shift)} (window_size={tuple(rolled['window'])}) but rolls its "
-        f"{size[0]}x{size[1]} map by {signed} along axes {tuple(dims)} before cutting windows: {said}; its window "
-        f"mask, cut for the stated shift, no longer marks which tokens the roll brought together"),
+        f"{'x'.join(map(str, size))} map by {signed} along axes {tuple(dims)} before cutting windows: {said}; its "
+        f"window mask, cut for the stated shift, no longer marks which tokens the roll brought together"),
         expected=f"the map rolled by -shift_size = {tuple(-s for s in shift)}",
         source=f"shift_size={tuple(shift)} of the block")
 

@@ -71,11 +71,12 @@ class Follow:
         from maskcli.trace.after import After
         from maskcli.trace.discarded import Discarded
         from maskcli.trace.maskmean import MaskMean
+        from maskcli.trace.multiplied import Products
         from maskcli.trace.overflow import Overflows
         from maskcli.trace.poolrows import PoolRows
 
         self.after, self.overflows, self.discarded = After(), Overflows(), Discarded()
-        self.poolrows, self.maskmean = PoolRows(), MaskMean()
+        self.poolrows, self.maskmean, self.products = PoolRows(), MaskMean(), Products()
         scores = self.scores._found if self.scores is not None else {}
         self._followed = (self.overflows._found, scores, self.after._found, self.weights._found, self.poolrows._found,
                           self.maskmean._found)
@@ -245,6 +246,8 @@ class Follow:
             self.after.note(out, *softmaxed)
             if self.scores is not None and self.scores.added:  # scores + a 0/1 mask: it masked nothing (scores.py)
                 self.scores.ones_added(readers.softmax_input(args, kwargs), *softmaxed)
+            if self.scores is not None and self.products.found:  # scores * a 0/1 mask: logit 0 (multiplied.py)
+                self.products.of(readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.weak:  # a mask filled with about 0: it masks nothing (weakfill.py)
                 weak_filled(self.scores.weak, self.scores.has, readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.folds:  # a batch folded with its heads, batch-major (scores.py)
@@ -291,6 +294,8 @@ class Follow:
                 self.ranked = self.ranked or Ranked()
                 self.ranked.note(args, kwargs, out, self.scores.has)
             self.scores.after(func, args, kwargs, out)
+            if func in MULS or self.products.found:  # (scores multiplied by a 0/1 tensor: trace/multiplied.py)
+                self.products.after(func, args, out, self.scores.has)
             if func in DISCARDED:  # (an out-of-place fill of scores: discarded.py)
                 self.discarded.after(func, args, kwargs, out)
         if any(followed) and not self._local.moded:

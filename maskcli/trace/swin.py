@@ -1,6 +1,6 @@
 """What a Swin block states of its shifted windows, read at an attention call made under it (checks/swin.py).
 
-A running module holding `shift_size` > 0 and `window_size` (Swin's SwinTransformerBlock, its ports and its kin) says
+A running module holding `shift_size` > 0 and `window_size` (or Uformer's `win_size`: Swin's SwinTransformerBlock, its ports and its kin) says
 its windows are cut from a map rolled by that shift, so the mask its window attention is handed is fixed by those two
 numbers and the map's size. Read only under such a module: the (nW, N, N) mask (`mask` / `attn_mask`, 0 / -100 added,
 or bool; (nW * B, 1, N, N) as
@@ -23,7 +23,7 @@ from maskcli.trace.assigned import edited
 from maskcli.trace.groups import window_groups
 from maskcli.trace.held import program_frames
 from maskcli.trace.relindex import collisions
-from maskcli.trace.swinroll import block_roll
+from maskcli.trace.swinroll import block_roll, window_of
 
 INNERMOST = 4  # running modules read, innermost first
 FRAMES = 4  # program frames searched for the windows' mask
@@ -63,7 +63,7 @@ def _shifted(stack: list) -> dict | None:
         if "shift_size" not in own:  # (every call of every program passes here: the common case first)
             continue
         rolled = block_roll(module)  # (how far the block rolled its map: checks/swinroll.py; any windows' shape)
-        shift, window = _size(own.get("shift_size")), _size(own.get("window_size"))
+        shift, window = _size(own.get("shift_size")), _size(window_of(own))
         if shift is None or window is None or not 0 < shift < window:
             if rolled is not None:
                 return {"window": None, "shift": None, "rolled": rolled}

@@ -1,0 +1,70 @@
+"""checks/multiplied.py (and trace/multiplied.py): scores multiplied by a 0/1 mask before their softmax, on the
+published bug's reproduction (tests/data/bugs) and a padded encoder written another way (tests/data/multiplied), both
+quiet fixed; the cells read against a loop over the scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from checkbugs import check_bug
+from maskcli.trace.multiplied import Products
+
+MULTIPLIED = Path(__file__).parent / "data" / "multiplied"
+
+
+def test_swin_transformer_pytorch_window_mask_multiplied_into_the_logits(tmp_path):
+    """berniwal/swin-transformer-pytorch ae5ae7b (written blind, batch blind-ek): the 1/0 upper_lower / left_right
+    masks multiplied into the shifted windows' logits (`dots *= mask`); the fix adds a 0/-inf mask."""
+    hits = check_bug(tmp_path, "swin_transformer_pytorch_window_attention_multiplicative_shift_mask", "ones-multiplied")
+    assert all("to logit 0, not -inf" in hit["message"] for hit in hits)
+
+
+def test_a_padded_encoder_multiplying_its_key_mask_into_the_scores(tmp_path):
+    """Written another way: torch.mul(scores, keep[:, None, None, :]) over a right-padded batch of 3 (6, 3 and 2 real
+    tokens), 4 heads, two layers (one site); every query row of a padded sample weighs its padded keys at logit 0."""
+    ids_real = (6, 3, 2)
+    cells = rows = 0
+    for real in ids_real:  # (the loop: each head and query row of a sample with padding, each padded key)
+        for _head in range(4):
+            for _query in range(6):
+                padded = [k for k in range(6) if k >= real]
+                if padded and real:
+                    cells, rows = cells + len(padded), rows + 1
+    hits = check_bug(tmp_path, "padded_encoder_key_mask_multiplied_into_scores", "ones-multiplied", MULTIPLIED)
+    assert hits and all(f"set {cells} cells of {rows} query rows" in hit["message"] for hit in hits), hits
+
+
+def _read(products: Products, x: torch.Tensor) -> dict | None:
+    call, seen = SimpleNamespace(details={}), SimpleNamespace(details={})
+    products.of(x, call, seen)
+    return call.details.get("multiplied")
+
+
+def test_the_cells_read_are_the_loops_and_a_fill_after_masks_them():
+    torch.manual_seed(0)
+    scores, keep = torch.randn(1, 2, 4, 4), torch.ones(4, 4).tril()
+    products = Products()
+    out = scores * keep
+    products.after(torch.Tensor.__mul__, (scores, keep), out, lambda t: t is scores)
+    zeroed = [(h, q, k) for h in range(2) for q in range(4) for k in range(4) if keep[q, k] == 0]
+    rows = {(h, q) for h, q, _ in zeroed}
+    assert _read(products, out) == {"cells": len(zeroed), "rows": len(rows)}
+    filled = out.masked_fill(keep == 0, float("-inf"))  # (the fix's fill after the product: carried, then masked)
+    products.after(torch.Tensor.masked_fill, (out, keep == 0, float("-inf")), filled, lambda t: t in (scores, out))
+    assert _read(products, filled) is None
+    assert _read(Products(), out) is None  # (no product seen)
+
+
+def test_a_view_of_the_scores_multiplied_in_place_marks_its_windows_only():
+    """berniwal's `dots[:, :, -2:] *= mask` on (B, H, windows, N, N): only the last two windows are marked."""
+    torch.manual_seed(0)
+    dots, mask = torch.randn(1, 1, 3, 4, 4), torch.tensor([[1.0, 0.0], [0.0, 1.0]]).repeat(2, 2)
+    view = dots[:, :, -2:]
+    products = Products()
+    view *= mask
+    products.after(torch.Tensor.__imul__, (view, mask), view, lambda t: t is view)
+    expected = sum(1 for w in range(3) for q in range(4) for k in range(4) if w >= 1 and mask[q, k] == 0)
+    assert _read(products, dots) == {"cells": expected, "rows": 2 * 4}
