@@ -61,6 +61,7 @@ def padding_attended(run: Run) -> list:
 
 
 def _finding(call, helds: list) -> Finding | None:
+    """The finding of one call against each batch vector it holds (the first seen through), or None."""
     b_len, k_len = call.shape[0], call.shape[3]
     for held in helds:
         counts = np.bincount(held["rows"])
