@@ -108,6 +108,28 @@ def test_nan_rows_of_a_pair_mask_in_a_trained_point_set_model(tmp_path):
     assert found[0]["message"].startswith(f"{sum(heads * (6 - n) for n in sizes)} query rows")
 
 
+def test_isab_induced_points_over_an_empty_set_filled_with_minus_inf(tmp_path):
+    """lucidrains/isab-pytorch 9968cf7 (written blind, batch blind-el): the ISAB's induced points cross-attend a padded
+    batch of sets filled with float('-inf'); a set that is all padding gives NaN rows for every induced point, and the
+    training step's backward pass goes through them. The fix fills with -finfo.max. The rows, by the sets' sizes."""
+    found = check_bug(tmp_path, "isab_pytorch_attention_empty_set_mask_fill_neg_inf_nan", "nan-rows-backward")
+    lengths, heads, induced = [9, 5, 0], 4, 6
+    empty = [b for b, n in enumerate(lengths) if n == 0]
+    assert found[0]["message"].startswith(f"{len(empty) * heads * induced} query rows")
+    assert f"query rows 0-{induced - 1} of batch row {empty[0]} see no key" in found[0]["message"]
+
+
+def test_latents_over_a_sample_with_no_events_cross_attention(tmp_path):
+    """Written another way: Perceiver latents over a padded batch of events, heads folded in by repeat_interleave,
+    torch.bmm, an out-of-place -inf fill from the lengths; one sample has no events; the fix zeroes the rows that see
+    no key after the softmax."""
+    found = check_bug(tmp_path, "perceiver_latents_empty_sample_cross_attention_nan_grads", "nan-rows-backward", NANS)
+    lengths, heads, latents = [5, 0, 3], 2, 4
+    folded = [n for n in lengths for _ in range(heads)]  # (repeat_interleave: each sample's heads side by side)
+    assert found[0]["message"].startswith(f"{folded.count(0) * latents} query rows")
+    assert f"query rows 0-{latents - 1} of batch row {folded.index(0)} see no key" in found[0]["message"]
+
+
 def test_nan_rows_with_no_backward_pass_are_not_said(tmp_path):
     """The same NaN rows in a forward pass that autograd records but no backward pass follows: nothing is said."""
     program = tmp_path / "forward_only.py"

@@ -89,7 +89,8 @@ def nan_backward(run: Run) -> list:
     """A softmax whose rows that see no key are NaN, multiplied by values autograd records, that the run's backward
     pass went through (trace/after.py's `nan_backward`)."""
     found, done = [], set()
-    for call in sorted([*run.calls, *run.unmasked], key=lambda call: call.index):
+    for call in sorted([*run.calls, *run.unmasked, *run.cross], key=lambda call: call.index):  # (a cross-attention's
+        # emptied rows too: ISAB's induced points over a set that is all padding, isab-pytorch 9968cf7)
         rows = call.details.get("nan_backward")
         if not rows or call.api != "softmax" or call.details.get("zeroed_after") or (call.mask, call.shape) in done:
             continue

@@ -32,7 +32,7 @@ COLUMNS = re.compile(r"^(?!cu_|max_)\w+_lengths?$")  # (B, k) lengths, a column 
 CELLS = re.compile(r"(?:^|_)chunk_masks?$")  # a streaming encoder's chunk mask (L, L) or (B, L, L): its polarity unsaid
 POSITIONS = re.compile(r"^(?:position_ids|positions|pos_ids)$")  # (B, L) positions that restart: packed documents
 IDS = re.compile(r"^(?:input_ids|idx|tokens)$")  # (B, L) token ids, read beside a mask the same frame holds (checks/tokens.py)
-GRAPHS = re.compile(r"^(?:batch|batch_index|batch_idx|batch_vec|node_batch|graph_index|graph_ids?)$")  # PyG's node ->
+GRAPHS = re.compile(r"^(?:batch|index|batch_index|batch_idx|batch_vec|node_batch|graph_index|graph_ids?)$")  # PyG's node ->
 # graph index of a mini-batch of graphs concatenated node after node (checks/graphs.py)
 LEFT = re.compile(r"^(?:left_padding|left_pad|left_pads)$")  # each row's left padding, in keys: a batch cache's (mlx-lm)
 CACHE = re.compile(r"^(?:cache|kv_cache|past_key_values?|prompt_cache)$")  # an object that may hold `left_padding`
