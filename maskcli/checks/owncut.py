@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, crossing, first_cell, keep
+from maskcli.checks.handed import _reach, _shown
 from maskcli.checks.real import by_row, stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -56,8 +57,8 @@ def own_keys_cut(run: Run) -> list:
         seen = rows[b].sum(axis=-1)
         few = int((real[b] & (seen > 0) & (seen < np.minimum(np.cumsum(real[b]), width))).sum())
         found.append((call, Finding("own-keys-cut", (
-            f"{held[3]} holds {held[0]} = ({held[1]}, 0): a query at p sees keys p - {held[1]} .. p, its own among "
-            f"them; but the call (step {call.step}) holds {k_len} keys for the {int(real[b].sum())} real queries of "
+            f"{held[3]} holds {held[0]} = {_shown(held[0], int(held[1]), 0)}: a query at p sees keys "
+            f"{_reach(int(held[1]), 0)}, its own among them; but the call (step {call.step}) holds {k_len} keys for the {int(real[b].sum())} real queries of "
             f"batch row {b}, and query {q} sees no key at all ({int(blind[b].sum())} such queries, {few} more see fewer "
             f"than their window): the step's own keys were cut, as a cache bounded to the window hands back"),
             expected=f"window({width}) over the step's own keys", source=str(held[3]), cell=(b, q, 0))))
