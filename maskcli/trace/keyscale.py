@@ -42,6 +42,12 @@ def at(site: tuple, where: str) -> tuple:
     return site, where
 
 
+def last_keys(k_shape: tuple) -> torch.Tensor | None:
+    """The keys of the site's last call where this call reads no more of them (sinkblend.py compares them), else None."""
+    last = _LAST.get(_SITE[0])
+    return None if last is None or len(k_shape) != 4 or k_shape[2] > last[1] else last[0]
+
+
 def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
     """{"keys_rescaled": {...}} where keys of the site's last call come back scaled by one factor, else {}."""
     if len(k_shape) != 4 or k_shape[-1] % 2 or k_shape[-1] < 8 or k_shape[2] > ROWS or not k_shape[0] * k_shape[1]:
