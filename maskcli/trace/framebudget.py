@@ -45,7 +45,7 @@ def _budget(value) -> tuple | None:
     blocks = next(((n, get(n)) for n in BLOCKS if type(get(n)) is int and get(n) > 0), None)
     if frame is None or local is None and blocks is None:
         return None
-    names = ", ".join(f"{n}={v}" for n, v in (local, frame, sink, blocks) if n)
+    names = ", ".join(f"{said[0]}={said[1]}" for said in (local, frame, sink, blocks) if said)  # (any may be None)
     local = None if local is None or local[1] <= 0 else local[1]  # (-1: every frame kept)
     return local, frame[1], None if sink is None else sink[1], names
 
