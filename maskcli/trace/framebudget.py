@@ -10,7 +10,8 @@ frame. A frame is `frame_seqlen` tokens (frame_seq_length, tokens_per_frame).
 Read where the program keeps both fields on one object: a config-like object (a dataclass, a dict, a namespace, a
 class named like a config or a plan) or a module of the model (its own attributes) among the modules under the
 outermost module, else among the variables of the program's frames at its call (a plan at the main module's top
-level, handed to every block). Several objects that state different budgets state none. An object that states the
+level, handed to every block), else the variables of one of those frames together (a script that keeps the fields as
+plain ints: Reward-Forcing's causal rollout). Several objects that state different budgets state none. An object that states the
 tokens per frame and the frames of a block (`num_frame_per_block`) but no cache size states the frames alone (a
 block of whole frames attends both ways: checks/causal_lm.py).
 """
@@ -63,6 +64,9 @@ def frame_budget(root, places: list | None) -> list[Stated]:
     if not found:
         own = _own_window(root)
         for where, variables in places or ():
+            settings = _budget(dict(variables))  # (a script's settings, plain ints at its top level: frame_seq_length = H * W)
+            if settings is not None:
+                found.setdefault(settings[:3], f"{settings[3]} (variables of {where})")
             for name, value in list(variables.items()):
                 if name.startswith("_") or isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType)):
                     continue

@@ -1,6 +1,7 @@
 """What an SDPA call's own K and V state, read once a call: edge runs of keys nobody wrote (zero, or one fill value:
 trace/zerokv.py, trace/fillkv.py), the keys zeroed in K alone (trace/zerokeys.py), the cache slots the step wrote its
-own keys to (trace/slotwrites.py) and keys of earlier calls come back scaled (trace/keyscale.py)."""
+own keys to (trace/slotwrites.py), keys of earlier calls come back scaled (trace/keyscale.py) and rows blended with
+another key of the call (trace/sinkblend.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import maskcli.trace.keyscale as keyscale
 import maskcli.trace.slotwrites as slotwrites
 from maskcli.trace.fillkv import edge_kv
+from maskcli.trace.sinkblend import sink_blend
 from maskcli.trace.zerokeys import zero_keys
 
 
@@ -17,7 +19,8 @@ def key_reads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple,
     found = edge_kv(q, k, v, k_shape, mask, is_causal)
     found = {**found, **zero_keys(k, v, k_shape)} if "zero_kv" not in found else found
     wrote = slotwrites.written(q.shape[-2], k, v, k_shape)
-    return {**found, **wrote, **keyscale.keys_rescaled(k, k_shape)}
+    blended = sink_blend(keyscale.last_keys(k_shape), k, k_shape)  # (before keys_rescaled keeps this call's keys)
+    return {**found, **wrote, **blended, **keyscale.keys_rescaled(k, k_shape)}
 
 
 at = keyscale.at  # (capture.py names the site of the call about to be read: keys_rescaled compares within a site)

@@ -29,6 +29,7 @@ from maskcli.trace.embedids import hash_weights
 ROWS = 1024  # keys of batch row 0's first head read at most per call
 DIGITS = 3  # decimals of a row's direction within its pairs (its lookup key)
 TOLERANCE = 1e-4  # relative spread of one factor (float32 rotations keep norms to ~1e-6)
+EXACT = 1e-5  # largest change of a row's unrounded direction within its pairs that is still no change
 SCALED = 1e-3  # a factor this far from 1 or further is a scaling
 
 _SITE: list = [None]  # the site of the call being read (set by `at`, from capture.py)
@@ -39,6 +40,12 @@ def at(site: tuple, where: str) -> tuple:
     """(site, where) of the call about to be read, kept as the site keys_rescaled compares within."""
     _SITE[0] = site
     return site, where
+
+
+def last_keys(k_shape: tuple) -> torch.Tensor | None:
+    """The keys of the site's last call where this call reads no more of them (sinkblend.py compares them), else None."""
+    last = _LAST.get(_SITE[0])
+    return None if last is None or len(k_shape) != 4 or k_shape[2] > last[1] else last[0]
 
 
 def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
@@ -61,23 +68,28 @@ def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
         return {}
     found = None
     for pairing in (0, 1):
-        held = dict(zip(*_directions(before, pairing)))
-        back = [(key, norm / held[key]) for key, norm in zip(*_directions(now, pairing)) if key in held]
+        held = {key: (norm, exact) for key, norm, exact in zip(*_directions(before, pairing))}
+        # (the rounded direction finds a row; the same direction unrounded says it came back whole: a key blended
+        # with another one on the way, an EMA sink's alpha * sink + (1 - alpha) * new, turns its pairs a little)
+        back = [(key, norm / held[key][0]) for key, norm, exact in zip(*_directions(now, pairing))
+                if key in held and np.abs(exact - held[key][1]).max() <= EXACT]
         found = found or (_scaled(back, int(now.shape[0])) if len(back) > 1 else None)
     return {"keys_rescaled": found} if found else {}
 
 
-def _directions(squares: np.ndarray, pairing: int) -> tuple[list, list]:
-    """(hash of each row's direction within its pairs, its norm) for rows not all alike, pairing 0 as rotate_half
-    pairs (d, d + D/2), 1 interleaved (2d, 2d + 1)."""
+def _directions(squares: np.ndarray, pairing: int) -> tuple[list, list, np.ndarray]:
+    """(hash of each row's direction within its pairs, its norm, that direction unrounded) for rows not all alike,
+    pairing 0 as rotate_half pairs (d, d + D/2), 1 interleaved (2d, 2d + 1)."""
     half = squares.shape[1] // 2
     pairs = (squares[:, :half], squares[:, half:]) if pairing == 0 else (squares[:, 0::2], squares[:, 1::2])
     total = np.sqrt(squares.sum(axis=1, dtype=np.float64))
     usable = total > 1e-6
     norms = np.sqrt(pairs[0] + pairs[1])
-    directions = np.rint(norms[usable] / total[usable, None] * 10 ** DIGITS).astype(np.int64)  # (DIGITS decimals)
+    exact = norms[usable] / total[usable, None]
+    directions = np.rint(exact * 10 ** DIGITS).astype(np.int64)  # (DIGITS decimals)
     varied = np.ptp(directions, axis=1) > 1  # (pairs all alike, `ones`: any such row is any other)
-    return (directions[varied] @ hash_weights(half)).tolist(), total[usable][varied].tolist()  # (int64 wraps: a hash)
+    return ((directions[varied] @ hash_weights(half)).tolist(), total[usable][varied].tolist(),  # (int64 wraps: a hash)
+            exact[varied])
 
 
 def forget() -> None:
