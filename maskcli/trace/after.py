@@ -19,8 +19,8 @@ layer before, read here as values; checks/nans.py).
 
 The product's output is followed too where some query row saw no key: a masked_fill of it with 0 over every such
 row (x-transformers' `out.masked_fill(row_is_entirely_masked[..., None], 0.)`, 35f7000), or a product of it with a
-0/1 tensor that is 0 there, sets those rows' output to 0
-whatever the softmax gave them (details `zeroed_output`: checks/rows.py's what_api_does says so). Where the product
+0/1 tensor that is 0 there, or a `where(isnan(out), 0, out)` or `nan_to_num` of it that is 0 there (BLT's padded
+patches), sets those rows' output to 0 whatever the softmax gave them (details `zeroed_output`: checks/rows.py's what_api_does says so). Where the product
 itself is 0 in every such row (the values they read are 0: MusicGen's classifier-free-guidance rows, zero states under
 a bias-free projection), their uniform weights did no harm: `zeroed_output` is "values".
 
