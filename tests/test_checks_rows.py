@@ -199,6 +199,42 @@ def test_nan_rows_a_program_zeroes_after_its_softmax_are_no_alarm(tmp_path):
         "suspicious": "query row 4 of batch row 1 sees no key at all: NaN weights there (softmax of all -inf)"}
 
 
+def test_nan_output_rows_a_program_sets_to_zero_are_no_alarm(tmp_path):
+    """BLT's patch cross-attention (tests/data/quiet_blind, written blind): where(isnan(out), 0, out) after weights @ v
+    sets the NaN rows of its empty pad patches to 0; written another way, a hierarchical encoder's sentence slots pooled
+    by einsum, out.nan_to_num_(0.0) in place (tests/data/quiet). Both a note; a where that leaves a NaN row, suspicious."""
+    import textwrap
+
+    from checkbugs import traced
+
+    quiet = Path(__file__).parent / "data" / "quiet"
+    status, found, report = traced(tmp_path, "hierarchical_sentence_pooling_nan_to_num", False, quiet)
+    sentences = [3, 2]  # the program's documents' sentence counts, padded to 3 slots: document 1's slot 2 is empty
+    empty = [(b, s) for b, n in enumerate(sentences) for s in range(max(sentences)) if s >= n]
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    [row] = [f for f in found if f["code"] == "fully-masked"]
+    assert row["message"].startswith(f"query row {empty[0][1]} of batch row {empty[0][0]} sees no key at all: 0 output")
+
+    def run(zeroing: str) -> set:
+        script = tmp_path / "where.py"
+        script.write_text(textwrap.dedent(f"""
+            import torch
+            torch.manual_seed(0)
+            own = torch.tensor([[0, 0, 1, 1], [0, 0, 0, -1]])  # each key's patch; batch row 1: patch 1 empty
+            keep = own[:, None, :] == torch.arange(2)[None, :, None]  # (B, patches, keys)
+            q, k, v = torch.randn(2, 2, 4), torch.randn(2, 4, 4), torch.randn(2, 4, 4)
+            bias = torch.where(keep, 0.0, float("-inf"))
+            out = torch.softmax(q @ k.transpose(-1, -2) + bias, -1) @ v
+            out = {zeroing}
+        """))
+        status, found, report = traced(tmp_path, "where", False, tmp_path)
+        return {f["severity"] for f in found if f["code"] == "fully-masked"}
+
+    assert run("torch.where(torch.isnan(out), torch.zeros(()), out)") == {"note"}
+    assert run("out.where(~torch.isnan(out), 0.0)") == {"note"}
+    assert run("torch.where(torch.isnan(out) & (torch.arange(2) == 0)[None, :, None], 0.0, out)") == {"suspicious"}
+
+
 def test_llms_from_scratch_future_mask_as_sdpa_keep_mask(tmp_path):
     """LLMs-from-scratch#1061: triu(ones, 1).bool() handed to SDPA as its keep-mask: the last token sees no key, though
     every earlier query sees it as a key; the fix (~mask) is quiet. The row is the one torch.triu leaves empty."""

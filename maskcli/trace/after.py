@@ -19,8 +19,8 @@ layer before, read here as values; checks/nans.py).
 
 The product's output is followed too where some query row saw no key: a masked_fill of it with 0 over every such
 row (x-transformers' `out.masked_fill(row_is_entirely_masked[..., None], 0.)`, 35f7000), or a product of it with a
-0/1 tensor that is 0 there, sets those rows' output to 0
-whatever the softmax gave them (details `zeroed_output`: checks/rows.py's what_api_does says so). Where the product
+0/1 tensor that is 0 there, or a `where(isnan(out), 0, out)` or `nan_to_num` of it that is 0 there (BLT's padded
+patches), sets those rows' output to 0 whatever the softmax gave them (details `zeroed_output`: checks/rows.py's what_api_does says so). Where the product
 itself is 0 in every such row (the values they read are 0: MusicGen's classifier-free-guidance rows, zero states under
 a bias-free projection), their uniform weights did no harm: `zeroed_output` is "values".
 
@@ -50,6 +50,8 @@ FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.mas
 COPIES = frozenset({torch.masked_fill, torch.Tensor.masked_fill})  # (out of place: the weights stay as they were)
 PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm,
                       torch.einsum})
+ZEROINGS = frozenset({torch.where, torch.Tensor.where, torch.nan_to_num, torch.Tensor.nan_to_num,
+                      torch.Tensor.nan_to_num_})  # (an output's NaN rows set to 0: where(isnan(out), 0, out), nan_to_num)
 WRITES = frozenset({torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.index_put_})  # (in place: the weights
 # themselves hold the fill afterwards)
 FILL_AT_MOST = -1e4  # (a fill: as trace/masks.py reads one in scores)
@@ -98,6 +100,9 @@ class After:
             return
         if func in WRITES:
             self._written(args)
+            return
+        if func in ZEROINGS:
+            self._output_zeroed(func, args, out)
             return
         if func not in MULS or len(args) < 2:
             return
@@ -215,6 +220,22 @@ class After:
                 return
             if bool(where[empty].all()):
                 call.details["zeroed_output"] = seen.details["zeroed_output"] = True
+
+    def _output_zeroed(self, func, args: tuple, out) -> None:
+        """where(isnan(output), 0, output) or nan_to_num(output) of a followed product (BLT's padded patch rows) whose
+        result is 0 in every row its softmax left no key: those NaN rows zeroed (zeroed_output), as a masked_fill is."""
+        operands = args[1:3] if func is torch.where else args[:1] if func is not torch.Tensor.where else args[:3:2]
+        for operand in operands:
+            entry = self._found.get(("output", id(operand))) if isinstance(operand, torch.Tensor) else None
+            if entry is None or entry[0]() is not operand:
+                continue
+            _, call, seen, empty = entry
+            result = operand if out is None else out  # (nan_to_num_ in place: the output itself)
+            if isinstance(result, torch.Tensor) and result.shape == operand.shape:
+                with torch.no_grad():
+                    if _zero_where(result, empty):
+                        call.details["zeroed_output"] = seen.details["zeroed_output"] = True
+            return
 
     def _narrow(self, trace, out: torch.Tensor, other: torch.Tensor, entry: tuple) -> None:
         _, call, seen = entry
