@@ -68,3 +68,14 @@ def test_a_view_of_the_scores_multiplied_in_place_marks_its_windows_only():
     products.after(torch.Tensor.__imul__, (view, mask), view, lambda t: t is view)
     expected = sum(1 for w in range(3) for q in range(4) for k in range(4) if w >= 1 and mask[q, k] == 0)
     assert _read(products, dots) == {"cells": expected, "rows": 2 * 4}
+
+
+def test_graphormer_pyg_per_graph_batch_mask_multiplied_into_the_scores(tmp_path):
+    """leffff/graphormer-pyg#14 (commit f56d6487; written blind, batch blind-p): the 0/1 per-graph `batch_mask` built
+    from PyG's `ptr` multiplies the scores, so a node weighs the other graph's nodes at logit 0; the fix multiplies
+    by -1e6 across graphs (a product by other values) and zeroes those weights after the softmax. Two path graphs of
+    3 and 4 nodes, one head: each node's row holds the other graph's nodes."""
+    sizes = (3, 4)
+    cells = sum(size * (sum(sizes) - size) for size in sizes)  # (each node, each node of the other graph)
+    hits = check_bug(tmp_path, "graphormer_pyg_attention_head_batch_mask_multiplies_scores", "ones-multiplied")
+    assert hits and all(f"set {cells} cells of {sum(sizes)} query rows" in hit["message"] for hit in hits), hits
