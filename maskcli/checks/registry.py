@@ -53,7 +53,8 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "blockpad", "prefixloss", "targetmap", "relbias", "relindex", "swinedit", "groups",
            "hiddenreal", "blocksteps", "heldtree", "contextlater",
            "stalled", "repeated", "causalnone", "onesided", "topk", "aloneplaces", "evictbudget", "pooledaxis", "continued", "absentinput", "placedpads",
-           "regrouped", "pooledpad", "pooledat", "maskmean", "offgrid", "keyscale", "blockwindow", "uncached", "permuted")
+           "regrouped", "pooledpad", "pooledat", "maskmean", "offgrid", "keyscale", "blockwindow", "uncached", "permuted",
+           "poolspan")
 
 
 @dataclass(frozen=True)
