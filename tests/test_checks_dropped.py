@@ -471,3 +471,27 @@ def test_a_decoder_layer_dropping_its_encoder_mask_is_found_by_that_mask(tmp_pat
     lengths = (5, 3)
     assert "encoder_attention_mask of forward()" in found[0]["message"]
     assert tuple(found[0]["cell"]) == first((2, 5, 5), lambda b, q, k: k >= lengths[b])
+
+
+def test_megabyte_flash_path_alibi_bias_holding_the_causal_mask_never_handed_to_sdpa(tmp_path):
+    """lucidrains/MEGABYTE-pytorch 4c3ec34 (written blind): Attend.flash_attn folds the causal mask into the ALiBi
+    `attn_bias`, sets causal = False and calls SDPA with `attn_mask=mask` (None). Found at both stages (the global
+    transformer's 9 patches, the local one's 5 bytes); the cell and count against a double loop."""
+    found = check_bug(tmp_path, "megabyte_pytorch_attend_flash_alibi_causal_mask_dropped", "mask-argument-dropped")
+    for hit, n in zip(found, (9, 5)):
+        assert tuple(hit["cell"]) == first((2, n, n), lambda b, q, k: k > q)
+        later = sum(k > q for q in range(n) for k in range(n))
+        assert f"attn_bias of flash_attn(), {4 * later} cells masked" in hit["message"]  # (4 heads, one bias for the batch)
+
+
+def test_a_relative_bias_holding_causal_and_left_padding_never_handed_to_sdpa(tmp_path):
+    """Written another way (tests/data/dropped): a T5-bucket decoder on a left-padded batch adds its additive
+    `attention_mask` (causal and padding) to the position bias, clears is_causal and calls SDPA with neither. The first
+    cell and the count of masked cells on rows that keep some key, against a double loop."""
+    [hit] = check_bug(tmp_path, "rel_bias_causal_folded_not_passed", "mask-argument-dropped", folder=DROPPED)
+    pads = (0, 2, 1)
+    masked = lambda b, q, k: k > q or k < pads[b]
+    kept_some = lambda b, q: q >= pads[b]
+    assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: kept_some(b, q) and masked(b, q, k))
+    count = sum(masked(b, q, k) for b in range(3) for q in range(6) for k in range(6) if kept_some(b, q))
+    assert f"attention_mask of _attn(), {count} cells masked" in hit["message"]

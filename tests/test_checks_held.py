@@ -351,6 +351,33 @@ def test_a_pad_mask_handed_to_sdpa_as_keep_with_a_summary_key_after_the_tokens(t
     assert "keys [3, 4] only" in hit["message"] and "(keys 0-4 of 6: its tokens)" in hit["message"]
 
 
+def test_funnel_rel_attention_subtracting_the_keep_mask_as_if_one_meant_masked(tmp_path):
+    """huggingface/transformers#7374 (fixes #7371; written blind): FunnelRelMultiheadAttention subtracts
+    `INF * attention_mask` (1 = token): the padded row sees its padding only, in the full block (16 queries) and in
+    the pooled one (8 queries over 16 keys)."""
+    pytest.importorskip("transformers")
+    found = check_bug(tmp_path, "transformers_funnel_rel_attention_padding_mask_polarity_inverted",
+                      "padding-only-attended")
+    lengths = (12, 16)  # right-padded to 16
+    assert len(found) == 2
+    for hit, queries in zip(found, (16, 8)):
+        assert tuple(hit["cell"]) == first((2, queries, 16), lambda b, q, k: k >= lengths[b])
+        assert f"keys {list(range(12, 16))} only" in hit["message"]
+
+
+def test_a_keep_mask_added_as_pad_bias_in_a_pooled_encoder_on_a_left_padded_batch(tmp_path):
+    """Written another way (tests/data/held): `attention_mask * -1e4` added to einsum scores, the keep mask min-pooled
+    with the states between blocks, left-padded: found in the full block and in the pooled one (its pairs holding
+    padding are padding)."""
+    found = check_bug(tmp_path, "pooled_encoder_keep_mask_added_as_pad_bias", "padding-only-attended", folder=HELD)
+    pads = (0, 3, 2)  # of 8
+    pooled = tuple(-(-p // 2) for p in pads)  # a pair with a padding token is padding
+    assert len(found) == 2
+    for hit, n, pad in zip(found, (8, 4), (pads, pooled)):
+        assert tuple(hit["cell"]) == first((3, n, n), lambda b, q, k: k < pad[b])
+        assert f"batch row 1: keys {list(range(pad[1]))} only" in hit["message"]
+
+
 def test_a_kernel_keeping_the_padding_and_more_is_not_read_as_turned_round():
     """held_inverted against a double loop: a kernel that sees the padding and one real key is another matter
     (padding-unused's), and one that sees exactly the padding on every query of every padded row is turned round."""
