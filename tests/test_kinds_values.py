@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from maskcli.errors import MaskError
 from maskcli.kinds.values import from_file, from_flag, from_sizes, inline, parse_rows
+from tensorfile_cli import refused
 
 FAST = settings(max_examples=60, deadline=None)
 ints = st.integers(min_value=-(10**15), max_value=10**15)
@@ -114,3 +115,16 @@ def test_a_txt_file_takes_a_line_or_a_semicolon_per_batch_row(tmp_path):
     (tmp_path / "lines.txt").write_text("0 0 1 1\n0 1 1 1\n")
     for name in ("rows.txt", "lines.txt"):
         assert from_file(str(tmp_path / name), "--chunks").array.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+
+
+def test_a_mask_file_given_for_labels_is_refused_not_read_as_labels_1_and_0(tmp_path):
+    """hunt 10: `maskcli chunk keep.pt` (a bool mask where labels go) drew the chunk mask of labels 1/0, exit 0."""
+    import torch
+
+    torch.save(torch.tril(torch.ones(4, 4, dtype=torch.bool)), tmp_path / "keep.pt")
+    np.save(tmp_path / "flags.npy", np.array([True, False, True]))
+    (tmp_path / "flags.json").write_text("[true, false, true]")
+    for name in ("keep.pt", "flags.npy", "flags.json"):
+        with pytest.raises(MaskError, match=re.escape("holds True/False (a bool")):
+            from_file(str(tmp_path / name), "--chunks")
+    refused(["chunk", tmp_path / "keep.pt"], "chunk labels '", "keep.pt': holds True/False (a bool [4, 4] tensor: a mask, not labels?): give integer labels, one per position")

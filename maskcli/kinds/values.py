@@ -231,7 +231,9 @@ def checked(array: np.ndarray, where: str) -> np.ndarray:
         array = array[None, :]
     if array.ndim != 2 or array.size == 0:
         raise MaskError(f"{where}: labels must be one row of integers, or one row per batch row; got shape {list(array.shape)}")
-    if array.dtype.kind not in "iub":
+    if array.dtype.kind == "b":  # a mask file given for labels: its True/False would be read as labels 1/0
+        raise MaskError(f"{where}: holds True/False (a bool {list(array.shape)} tensor: a mask, not labels?): give integer labels, one per position")
+    if array.dtype.kind not in "iu":
         if array.dtype.kind == "f" and np.all(np.isfinite(array)) and np.all(array == np.round(array)):
             array = array.astype(np.int64)
         else:
