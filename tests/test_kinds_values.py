@@ -128,3 +128,13 @@ def test_a_mask_file_given_for_labels_is_refused_not_read_as_labels_1_and_0(tmp_
         with pytest.raises(MaskError, match=re.escape("holds True/False (a bool")):
             from_file(str(tmp_path / name), "--chunks")
     refused(["chunk", tmp_path / "keep.pt"], "chunk labels '", "keep.pt': holds True/False (a bool [4, 4] tensor: a mask, not labels?): give integer labels, one per position")
+
+
+@pytest.mark.parametrize(("name", "content"), [("l.txt", "0\t0\n1\r\n1\n"), ("l.txt", "0,0;1,1,1"), ("l.json", "[[0, 0], [1], [1]]")])
+def test_label_files_with_rows_of_different_lengths_say_so_as_inline_labels_do(tmp_path, name, content):
+    """hunt 10: a file's ragged rows were "cannot read labels from it (setting an array element with a sequence. The
+    requested array has an inhomogeneous shape after 1 dimensions ...)", numpy's words, not how to fix it."""
+    (tmp_path / name).write_text(content)
+    widths = "2, 1, 1" if name == "l.json" or "\t" in content else "2, 3"
+    said = f"the batch rows have {widths} values, in that order: give every batch row one value per position"
+    refused(["chunk", tmp_path / name], f"{name}': {said}")

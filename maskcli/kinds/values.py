@@ -78,10 +78,16 @@ def rows_text(rows) -> str:
     return ";".join(",".join(map(str, np.asarray(row).tolist())) for row in rows)
 
 
-def _array(rows, where: str) -> np.ndarray:
+def _same_widths(rows, where: str) -> list[int]:
+    """The rows' lengths, all one: a batch row per row, one value per position each."""
     widths = [len(row) for row in rows]
     if len(set(widths)) > 1:
         raise MaskError(f"{where}: the batch rows have {', '.join(map(str, widths))} values, in that order: give every batch row one value per position")
+    return widths
+
+
+def _array(rows, where: str) -> np.ndarray:
+    widths = _same_widths(rows, where)
     if set(widths) == {0}:
         raise MaskError(f"{where}: no values: give comma-separated integers such as 0,0,1,1")
     try:
@@ -195,7 +201,10 @@ def from_file(path: str, where: str) -> Labels:
         if suffix == ".npy":
             array = np.load(file, allow_pickle=False)
         elif suffix == ".json":
-            array = np.asarray(json.loads(file.read_text()))
+            data = json.loads(file.read_text())
+            if isinstance(data, list) and data and all(isinstance(row, list) for row in data):
+                _same_widths(data, where)  # (numpy's own word for it: "an inhomogeneous shape after 1 dimensions")
+            array = np.asarray(data)
         elif suffix == ".txt":
             # a line per batch row, or ';' between rows as inline labels write them
             lines = [line for line in re.split(r"[\n;]", file.read_text()) if line.strip()]
@@ -205,6 +214,7 @@ def from_file(path: str, where: str) -> Labels:
                 raise MaskError(f"{where}: {shortened(bad, 40)!r} is not an integer: write integers separated by commas or spaces, a line (or ';') per batch row")
             if any(len(item.lstrip("+-")) > 19 for row in rows for item in row):
                 raise MaskError(f"{where}: a label is too large (at most ±{INT64_LIMIT:,})")
+            _same_widths(rows, where)
             array = np.asarray([np.array(row, dtype=np.int64) for row in rows])
         else:  # through the house loader: weights_only, pickled code refused in one line, no torch warnings
             from maskcli.tensorfile import load_tensors
