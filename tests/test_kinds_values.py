@@ -138,3 +138,13 @@ def test_label_files_with_rows_of_different_lengths_say_so_as_inline_labels_do(t
     widths = "2, 1, 1" if name == "l.json" or "\t" in content else "2, 3"
     said = f"the batch rows have {widths} values, in that order: give every batch row one value per position"
     refused(["chunk", tmp_path / name], f"{name}': {said}")
+
+
+@pytest.mark.parametrize(("text", "item"), [("1_0,2", "1_0"), ("\uff10,\uff11", "\uff10"), ("0,0;1,\u0664", "\u0664")])
+def test_inline_integers_are_digits_0_to_9_as_len_takes_them(text, item):
+    """hunt 10: numpy read '1_0' as 10 and fullwidth or Arabic-Indic digits as numbers, so `chunk 1_0,2` drew labels
+    10,2 (and --lengths 4,1_0 lengths 4,10), where --len '1_0' and the expression parser refuse it."""
+    position = text.replace(";", ",").split(",").index(item)
+    refused(["chunk", text], f"chunk labels {text!r}: {item!r} at position {position} of {text!r} is not an integer (write them like 0,0,1,1)")
+    with pytest.raises(MaskError, match="is not an integer"):
+        parse_rows(text, "--lengths")

@@ -23,6 +23,7 @@ from maskcli.text import shortened
 
 FILE_SUFFIXES = (".npy", ".json", ".txt", ".pt")
 _INT = re.compile(r"^\s*[+-]?[0-9]+\s*$")
+_NOT_DIGITS = re.compile(r"[^\s0-9,+-]")
 INT64_LIMIT = 1 << 62  # labels and ids stay far from int64's edge, so differences and sums cannot wrap
 
 
@@ -144,6 +145,8 @@ def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[np.ndarr
             raise MaskError(f"{where}: batch row {number} of {text[:80]!r} is empty: give every row one value per position, ';' between rows")
         items = row_text.split(",")
         try:
+            if _NOT_DIGITS.search(row_text):  # numpy reads '1_0' as 10 and '１' as 1: digits 0-9 only, as --len takes
+                raise ValueError(row_text)
             rows.append(np.array(items, dtype=np.int64))
             continue
         except OverflowError:
