@@ -847,3 +847,22 @@ def test_at_60_columns_the_header_wraps_between_its_parts():
     ]
     wide = invoke(["causal", "--len", "6"], env={"COLUMNS": "120"}).stdout.splitlines()
     assert wide[1] == "device cpu · dtype float32 · scale 0.353553 · fill: masked_fill -inf"
+
+
+def test_json_past_the_values_it_prints_is_refused_before_any_stage_is_computed(monkeypatch):
+    """hunt 10: attend --len 2000 --heads 64 --json computed every stage (5 GB) and then wrote some 1.5 billion values
+    as JSON, for minutes; show and blocks refuse --json past JSON_MAX_VALUES, and now attend does too, up front."""
+    import maskcli.attention.run as run
+
+    def never(*args, **kwargs):
+        raise AssertionError("a stage was computed")
+
+    monkeypatch.setattr(run, "run_attention", never)
+    result = CliRunner().invoke(app, ["attend", "causal", "--len", "2000", "--heads", "64", "--json"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == ("maskcli: error: --json would list 1,537,024,000 stage values, past the 4,194,304 it prints: "
+                             "view a region with --rows/--keys, or use a shorter --len or fewer --heads\n")
+    monkeypatch.undo()
+    for args in (["--len", "835"], ["--len", "2000", "--rows", "0:100", "--keys", "0:300"]):  # at the limit; a region
+        shown = CliRunner().invoke(app, ["attend", "causal", *args, "--json"])
+        assert shown.exit_code == 0 and len(json.loads(shown.stdout)["stages"]["weights"][0][0]) in (835, 100), shown.stderr

@@ -199,3 +199,11 @@ def test_the_summary_wraps_between_words_on_a_narrow_terminal():
     ]
     piped = ok(["causal", "--len", "4096", "--summary"]).stdout
     assert "sparsity 48.44% (BlockMask.sparsity(): the share of cells in blocks FlexAttention skips)\n" in piped
+
+
+@pytest.mark.parametrize("block", ["1_28", "\u0661\u0662\u0668", "\uff11\uff12\uff18", "64,1_28"])
+def test_a_block_size_is_digits_0_to_9_as_len_takes_it(block):
+    """hunt 10: int() read --block 1_28 (and Arabic-Indic or fullwidth digits) as 128, where --len '1_0' is refused."""
+    result = invoke(["causal", "--len", "300", "--block", block, "--summary"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == f"maskcli: error: --block {block!r} is not a block size: give one whole number like 128, or Q,KV like 128,64\n"

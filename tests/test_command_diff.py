@@ -302,3 +302,20 @@ def test_sizes_without_a_placing_place_the_file_where_show_places_them(tmp_path)
     assert result.exit_code == 1 and data["only_b"] == int((top_left & ~expected).sum()) == 1, result.output
     bottom_right = diff("causal", path, "--json")  # no sizes: the file's queries at 4-6, where causal sees 5 to 7 keys
     assert bottom_right.exit_code == 1 and json.loads(bottom_right.output)["only_a"] == 12
+
+
+def test_two_files_of_different_shapes_with_why_get_the_advice_for_files_too(tmp_path, monkeypatch):
+    """hunt 10: with --why the same two files were told "give both the same --len, --offset, --kv-start and --kv-len",
+    options that a file's shape overrules."""
+    monkeypatch.chdir(tmp_path)
+    torch.save(torch.tril(torch.ones(6, 6, dtype=torch.bool)), "a.pt")
+    torch.save(torch.tril(torch.ones(4, 4, dtype=torch.bool)), "b.pt")
+    result = runner.invoke(app, ["diff", "a.pt", "b.pt", "--why", "3,1"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (
+        "maskcli: error: A and B do not cover the same cells: A has queries 0-5 · keys 0-5, B has queries 0-3 · keys 0-3: "
+        "each file's shape is its own and no option changes it: compare the cells both cover with --rows 0:4 --keys 0:4, "
+        "or compare masks of the same shape (two calls of the same size)\n"
+    )
+    shared = runner.invoke(app, ["diff", "a.pt", "b.pt", "--why", "3,1", "--rows", "0:4", "--keys", "0:4"])  # the advice works
+    assert shared.exit_code == 0, shared.output

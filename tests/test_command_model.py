@@ -472,3 +472,15 @@ def test_a_kv_shared_layers_sliced_prefill_is_its_last_query_and_no_finding():
     assert "window-miscounted" not in result.stdout
     assert "cache: layers 6-11 reuse earlier layers' keys (num_kv_shared_layers 6) and write no cache of their own: not " \
            "compared" in result.stdout
+
+
+@needs_hf
+@pytest.mark.parametrize("family, field", [("mistral", "sliding_window"), ("llama4_text", "attention_chunk_size")])
+def test_a_config_json_with_a_window_or_chunk_of_0_is_refused_naming_it(tmp_path, family, field):
+    """hunt 10: -3 was refused but 0 ran, and ended in "cannot run --attn sdpa --cache dynamic: RuntimeError:
+    ZeroDivisionError" (llama4_text) or a tensor size mismatch (mistral)."""
+    (tmp_path / "zero.json").write_text(json.dumps({"model_type": family, field: 0}))
+    result = model(tmp_path / "zero.json", "--lengths", "3,2", "--new-tokens", "1")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (f"maskcli: error: '{tmp_path / 'zero.json'}': {field} 0 is no size in tokens: give a whole number "
+                             "of 1 or more, or null for none\n")

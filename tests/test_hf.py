@@ -161,6 +161,9 @@ def test_a_local_config_json_and_bad_sources_are_one_line(tmp_path):
     ("sliding_window", -5, "sliding_window -5 is no size in tokens"),  # was read as no window: every layer full
     ("sliding_window", 2.5, "sliding_window 2.5 is no size in tokens"),
     ("attention_chunk_size", -1, "attention_chunk_size -1 is no size in tokens"),
+    # hunt 10: 0 passed, and model ended in "cannot run --attn sdpa --cache dynamic: RuntimeError: ZeroDivisionError"
+    ("sliding_window", 0, "sliding_window 0 is no size in tokens"),
+    ("attention_chunk_size", 0, "attention_chunk_size 0 is no size in tokens"),
 ])
 def test_a_config_json_with_a_negative_or_fractional_window_is_refused_in_serve_shard_and_pack(tmp_path, field, value, said):
     from typer.testing import CliRunner

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from maskcli.errors import MaskError
 from maskcli.kinds.values import from_file, from_flag, from_sizes, inline, parse_rows
+from tensorfile_cli import refused
 
 FAST = settings(max_examples=60, deadline=None)
 ints = st.integers(min_value=-(10**15), max_value=10**15)
@@ -114,3 +115,36 @@ def test_a_txt_file_takes_a_line_or_a_semicolon_per_batch_row(tmp_path):
     (tmp_path / "lines.txt").write_text("0 0 1 1\n0 1 1 1\n")
     for name in ("rows.txt", "lines.txt"):
         assert from_file(str(tmp_path / name), "--chunks").array.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+
+
+def test_a_mask_file_given_for_labels_is_refused_not_read_as_labels_1_and_0(tmp_path):
+    """hunt 10: `maskcli chunk keep.pt` (a bool mask where labels go) drew the chunk mask of labels 1/0, exit 0."""
+    import torch
+
+    torch.save(torch.tril(torch.ones(4, 4, dtype=torch.bool)), tmp_path / "keep.pt")
+    np.save(tmp_path / "flags.npy", np.array([True, False, True]))
+    (tmp_path / "flags.json").write_text("[true, false, true]")
+    for name in ("keep.pt", "flags.npy", "flags.json"):
+        with pytest.raises(MaskError, match=re.escape("holds True/False (a bool")):
+            from_file(str(tmp_path / name), "--chunks")
+    refused(["chunk", tmp_path / "keep.pt"], "chunk labels '", "keep.pt': holds True/False (a bool [4, 4] tensor: a mask, not labels?): give integer labels, one per position")
+
+
+@pytest.mark.parametrize(("name", "content"), [("l.txt", "0\t0\n1\r\n1\n"), ("l.txt", "0,0;1,1,1"), ("l.json", "[[0, 0], [1], [1]]")])
+def test_label_files_with_rows_of_different_lengths_say_so_as_inline_labels_do(tmp_path, name, content):
+    """hunt 10: a file's ragged rows were "cannot read labels from it (setting an array element with a sequence. The
+    requested array has an inhomogeneous shape after 1 dimensions ...)", numpy's words, not how to fix it."""
+    (tmp_path / name).write_text(content)
+    widths = "2, 1, 1" if name == "l.json" or "\t" in content else "2, 3"
+    said = f"the batch rows have {widths} values, in that order: give every batch row one value per position"
+    refused(["chunk", tmp_path / name], f"{name}': {said}")
+
+
+@pytest.mark.parametrize(("text", "item"), [("1_0,2", "1_0"), ("\uff10,\uff11", "\uff10"), ("0,0;1,\u0664", "\u0664")])
+def test_inline_integers_are_digits_0_to_9_as_len_takes_them(text, item):
+    """hunt 10: numpy read '1_0' as 10 and fullwidth or Arabic-Indic digits as numbers, so `chunk 1_0,2` drew labels
+    10,2 (and --lengths 4,1_0 lengths 4,10), where --len '1_0' and the expression parser refuse it."""
+    position = text.replace(";", ",").split(",").index(item)
+    refused(["chunk", text], f"chunk labels {text!r}: {item!r} at position {position} of {text!r} is not an integer (write them like 0,0,1,1)")
+    with pytest.raises(MaskError, match="is not an integer"):
+        parse_rows(text, "--lengths")

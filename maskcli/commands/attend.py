@@ -97,6 +97,13 @@ def attend(
     built, qkv, torch_device, torch_dtype = mask_and_inputs(kind, replace(mask, rows=None, keys=None), inputs, dropout)
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "attend_" + built.slug) if png is not None else None
     html_path = check_output_path(html, (".html",), "--html", "attend_" + built.slug) if html is not None else None
+    if json_:  # every stage (each cell, and the mask's) and the output: refused before any is computed
+        from maskcli.render import check_json_size
+
+        view = built.crop(rows, keys).frame
+        pairs = max(qkv.q.shape[0], built.batch) * max(qkv.q.shape[1], built.heads)
+        check_json_size(pairs * view.q_len * (view.k_len * len(STAGES) + qkv.v.shape[-1]), "stage values",
+                        "view a region with --rows/--keys, or use a shorter --len or fewer --heads")
     from maskcli.attention.run import run_attention
 
     whole = built

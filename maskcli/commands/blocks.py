@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Annotated
 
@@ -22,6 +23,8 @@ BlocksSave = Annotated[str | None, typer.Option("--save", metavar="FILE", help="
 def parse_block(text: str) -> tuple[int, int]:
     parts = text.split(",")
     try:
+        if not all(re.fullmatch(r"\s*[+-]?[0-9]+\s*", part) for part in parts):  # int() takes '1_28' and '١٢٨' as 128
+            raise ValueError(text)
         sizes = [int(part) for part in parts]
     except ValueError:
         raise MaskError(f"--block {text!r} is not a block size: give one whole number like 128, or Q,KV like 128,64") from None

@@ -88,8 +88,9 @@ def _for_a_file(options: MaskOptions) -> MaskOptions:
     return replace(options, length=None, kv_len=None, align=None, lengths=None, ids=None, tokens=None, params={})
 
 
-def _explain(sides: dict[str, Mask], cell: str, png: str | None, json_: bool, html: str | None = None) -> None:
-    """--why: the cell in A and in B, each side's tree; exit status 1 where the cell differs."""
+def _explain(sides: dict[str, Mask], cell: str, png: str | None, json_: bool, html: str | None, advice: str) -> None:
+    """--why: the cell in A and in B, each side's tree; exit status 1 where the cell differs (`advice`: how to give
+    A and B the same cells, as without --why)."""
     from maskcli.diff import check_comparable
     from maskcli.render.why import diff_why_dumps, diff_why_text
     from maskcli.why import explain, parse_cell
@@ -98,7 +99,7 @@ def _explain(sides: dict[str, Mask], cell: str, png: str | None, json_: bool, ht
         if value is not None:
             raise MaskError(f"--why {cell} explains one cell and {flag} draws them all: give one of them")
     a, b = sides["A"], sides["B"]
-    check_comparable(a, b)
+    check_comparable(a, b, advice)
     cells = parse_cell(cell, a if a.batch >= b.batch else b)
     answers = {label: [explain(side, min(i, side.batch - 1), q, kv) for i, q, kv in cells] for label, side in sides.items()}
     echo(diff_why_dumps(a, b, answers["A"], answers["B"]) if json_ else wrapped(diff_why_text(a, b, answers["A"], answers["B"]), sys.stdout).rstrip("\n"))
@@ -206,7 +207,7 @@ def diff(
 
     sides = {label: region(sides[label], mask) for label in texts}  # the same region of each
     if why is not None:
-        _explain(sides, why, png, json_, html)
+        _explain(sides, why, png, json_, html, _advice(is_file, sides["A"].frame, sides["B"].frame))
         return
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "diff") if png is not None else None
     html_path = check_output_path(html, (".html",), "--html", "diff") if html is not None else None

@@ -103,9 +103,9 @@ def file_config(path: str):
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise MaskError(f"{path!r} has no \"model_type\": give a model's config.json (its model_type names the family)")
     kind = values.pop("model_type")
-    for name in ("sliding_window", "attention_chunk_size"):  # a negative size was read as no window at all, silently
-        size = values.get(name)
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+    for name in ("sliding_window", "attention_chunk_size"):  # a negative size was read as no window at all, silently;
+        size = values.get(name)  # 0 ended in "cannot run ...: RuntimeError: ZeroDivisionError" or a tensor size mismatch
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise MaskError(f"{path!r}: {name} {json.dumps(size)[:40]} is no size in tokens: give a whole number of 1 or more, or null for none")
         if isinstance(size, int) and size > MOST_WINDOW:  # 2^63 ended in "cannot run ...: Overflow when unpacking long long"
             raise MaskError(f"{path!r}: {name} {size} is past the {MOST_WINDOW:,} tokens maskcli runs: give a smaller one")

@@ -23,6 +23,7 @@ from maskcli.text import shortened
 
 FILE_SUFFIXES = (".npy", ".json", ".txt", ".pt")
 _INT = re.compile(r"^\s*[+-]?[0-9]+\s*$")
+_NOT_DIGITS = re.compile(r"[^\s0-9,+-]")
 INT64_LIMIT = 1 << 62  # labels and ids stay far from int64's edge, so differences and sums cannot wrap
 
 
@@ -78,10 +79,16 @@ def rows_text(rows) -> str:
     return ";".join(",".join(map(str, np.asarray(row).tolist())) for row in rows)
 
 
-def _array(rows, where: str) -> np.ndarray:
+def _same_widths(rows, where: str) -> list[int]:
+    """The rows' lengths, all one: a batch row per row, one value per position each."""
     widths = [len(row) for row in rows]
     if len(set(widths)) > 1:
         raise MaskError(f"{where}: the batch rows have {', '.join(map(str, widths))} values, in that order: give every batch row one value per position")
+    return widths
+
+
+def _array(rows, where: str) -> np.ndarray:
+    widths = _same_widths(rows, where)
     if set(widths) == {0}:
         raise MaskError(f"{where}: no values: give comma-separated integers such as 0,0,1,1")
     try:
@@ -138,6 +145,8 @@ def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[np.ndarr
             raise MaskError(f"{where}: batch row {number} of {text[:80]!r} is empty: give every row one value per position, ';' between rows")
         items = row_text.split(",")
         try:
+            if _NOT_DIGITS.search(row_text):  # numpy reads '1_0' as 10 and '１' as 1: digits 0-9 only, as --len takes
+                raise ValueError(row_text)
             rows.append(np.array(items, dtype=np.int64))
             continue
         except OverflowError:
@@ -195,7 +204,10 @@ def from_file(path: str, where: str) -> Labels:
         if suffix == ".npy":
             array = np.load(file, allow_pickle=False)
         elif suffix == ".json":
-            array = np.asarray(json.loads(file.read_text()))
+            data = json.loads(file.read_text())
+            if isinstance(data, list) and data and all(isinstance(row, list) for row in data):
+                _same_widths(data, where)  # (numpy's own word for it: "an inhomogeneous shape after 1 dimensions")
+            array = np.asarray(data)
         elif suffix == ".txt":
             # a line per batch row, or ';' between rows as inline labels write them
             lines = [line for line in re.split(r"[\n;]", file.read_text()) if line.strip()]
@@ -205,6 +217,7 @@ def from_file(path: str, where: str) -> Labels:
                 raise MaskError(f"{where}: {shortened(bad, 40)!r} is not an integer: write integers separated by commas or spaces, a line (or ';') per batch row")
             if any(len(item.lstrip("+-")) > 19 for row in rows for item in row):
                 raise MaskError(f"{where}: a label is too large (at most ±{INT64_LIMIT:,})")
+            _same_widths(rows, where)
             array = np.asarray([np.array(row, dtype=np.int64) for row in rows])
         else:  # through the house loader: weights_only, pickled code refused in one line, no torch warnings
             from maskcli.tensorfile import load_tensors
@@ -231,7 +244,9 @@ def checked(array: np.ndarray, where: str) -> np.ndarray:
         array = array[None, :]
     if array.ndim != 2 or array.size == 0:
         raise MaskError(f"{where}: labels must be one row of integers, or one row per batch row; got shape {list(array.shape)}")
-    if array.dtype.kind not in "iub":
+    if array.dtype.kind == "b":  # a mask file given for labels: its True/False would be read as labels 1/0
+        raise MaskError(f"{where}: holds True/False (a bool {list(array.shape)} tensor: a mask, not labels?): give integer labels, one per position")
+    if array.dtype.kind not in "iu":
         if array.dtype.kind == "f" and np.all(np.isfinite(array)) and np.all(array == np.round(array)):
             array = array.astype(np.int64)
         else:
