@@ -294,3 +294,20 @@ def test_a_causal_mask_dropped_for_sdpa_then_read_by_the_eager_weights_path_is_f
     found = check_bug(tmp_path, "need_weights_eager_path_drops_causal", "causal-flag-ignored", folder=OWN)
     assert _cell(found) == first((3, 10, 10), lambda b, q, k: k > q)
     assert "NeoXAttention.causal" in found[0]["message"]
+
+
+def test_a_sliding_window_of_one_key_is_no_window_that_sees_both_ways():
+    """Hunt 10: `maskcli model gemma3_text --window 1`: its sliding layers' masks are the diagonal, read as band(1),
+    so full-narrower-than-sliding paired the causal full layer with a window that sees both ways, found no key it
+    hides, and ended in "unexpected IndexError ... (a maskcli bug)"."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    result = CliRunner().invoke(app, ["model", "gemma3_text", "--window", "1", "--lengths", "3,2", "--new-tokens", "1"])
+    assert result.exit_code in (0, 1) and "unexpected" not in result.output, result.output  # (1: its decode steps)
+    assert "full-narrower-than-sliding" not in result.output
+    assert "#0 window(1) (--lengths 3,2 --pad left)" in result.output, result.output

@@ -136,7 +136,7 @@ def full_narrower(run: Run) -> list:
         if kind[0] != "sliding_attention" or window is None or placed.holds("causal"):
             continue
         size = next((w for w in (window[0], window[0] + 1) if placed.holds(f"band({w})")), None)
-        if size is not None:
+        if size is not None and size > 1:  # (band(1): each query its own key alone, which sees neither way)
             both.setdefault((id(run.top(call)), call.shape), (index, call, size, stated.said(window[1])))
     if not both:
         return []
@@ -150,6 +150,8 @@ def full_narrower(run: Run) -> list:
         done.add((call.mask, call.shape, index))
         other, other_call, size, said = sliding
         hidden = (~placed.seen) & placed.judged & (np.abs(placed.keys[None, :] - placed.own[:, None]) < size)[None, None]
+        if not hidden.any():
+            continue  # (every key the sliding layer sees, this one sees too)
         b, _, q, k = first_cell(hidden)
         found.append((call, Finding("full-narrower-than-sliding", (
             f"{_layer(index, call)} is a full layer ({kind[1]}) but causal, while {_layer(other, other_call)} of the "
