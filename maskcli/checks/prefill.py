@@ -345,8 +345,8 @@ def _later(run: Run, call, chunks: list, ids: np.ndarray, steps: np.ndarray) -> 
             or not np.array_equal(queries(call, top), np.arange(length)):
         return None
     cells = keep(call)
-    if cells is None or cells.shape[0] not in (1, ids.shape[0]):
-        return None
+    if cells is None or cells.shape[0] not in (1, ids.shape[0]) or steps.shape[0] not in (1, ids.shape[0]):
+        return None  # (steps over rows the ids do not number: MusicGen's codebooks folded into the batch)
     one = np.broadcast_to(cells.any(axis=1), (ids.shape[0], length, length))
     real = steps[:, :length, :length].any(axis=1)  # (B, keys): keys some step shows (its real tokens)
     later = one & ~steps[:, :length, :length] & band(length, length, 1, True) & real[:, None, :] \
