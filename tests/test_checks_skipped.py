@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkbugs import check_bug
+from checkbugs import check_bug, traced
 
 SKIPPED = Path(__file__).parent / "data" / "skipped"
 
@@ -31,3 +31,10 @@ def test_forced_tokens_appended_without_a_step_are_flagged(tmp_path):
     [hit] = check_bug(tmp_path, "forced_tokens_appended_without_decoder_step", "cache-tokens-skipped", SKIPPED)
     forced = {6: 7, 7: 11}
     assert "the token(s) at " + ", ".join(str(p) for p in sorted(forced)) + " were never run" in hit["message"], hit
+
+
+def test_a_windowed_cache_new_ids_alone_and_a_drafted_step_are_quiet(tmp_path):
+    # the whole prefix handed behind a cache cut to a window (keys stop growing), each step's new token handed alone
+    # (the ids do not extend the step before's), three drafted tokens run at once (the ids grow by the step's queries)
+    status, found, report = traced(tmp_path, "window_cache_whole_prefix_and_new_ids_only", False, SKIPPED)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
