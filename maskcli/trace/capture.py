@@ -25,7 +25,8 @@ import maskcli.trace.calledflag as calledflag
 import maskcli.trace.askedcausal as askedcausal
 import maskcli.trace.padfill as padfill
 import maskcli.trace.namedmasks as namedmasks
-from maskcli.trace import offgrid, poolspan
+import maskcli.trace.offgrid as offgrid
+import maskcli.trace.poolspan as poolspan
 import maskcli.trace.convpad as convpad
 from maskcli.trace.masks import Call, Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced, said as _said
@@ -52,7 +53,6 @@ from maskcli.trace.threads import Threads
 from maskcli.trace.packed import documents, handed, held_by
 
 DEFAULT_MAX_BYTES = 256 << 20
-
 
 ROUTING = frozenset({"mlp", "gate", "router", "moe", "experts", "feed_forward", "ffn"})  # a module path's words
 
