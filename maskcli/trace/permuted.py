@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from maskcli.trace.routed import subset
+from maskcli.trace.routed import subset, whole
 
 GATHERS = frozenset({torch.gather, torch.Tensor.gather})
 MOST = 8  # permutations kept per outermost module call
@@ -87,9 +87,8 @@ def permutation(args: tuple, kwargs: dict):
     if length < 2 or rows * length > CELLS or index.dtype not in (torch.int64, torch.int32):
         return None
     with torch._C.DisableTorchFunction(), torch.no_grad():
-        flat = index.reshape(rows, length, -1)
-        first = flat[..., 0]
-        if not bool((flat == first[..., None]).all()):
+        first = whole(index, rows, length)
+        if first is None:
             return None  # (each feature gathered from its own position: no token moved whole)
         order = torch.arange(length, device=first.device)
         if not bool((first.sort(dim=1).values == order).all()) or bool((first == order).all()):

@@ -30,11 +30,18 @@ def subset(args: tuple, kwargs: dict):
     if not 2 <= taken < length or rows * taken > CELLS or index.dtype not in (torch.int64, torch.int32):
         return None
     with torch._C.DisableTorchFunction(), torch.no_grad():
-        flat = index.reshape(rows, taken, -1)
-        first = flat[..., 0]
-        if not bool((flat == first[..., None]).all()):
-            return None  # (each feature gathered from its own position: no token taken whole)
+        first = whole(index, rows, taken)
+        if first is None:
+            return None
         ordered = first.sort(dim=1).values
         if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
             return None  # (a token taken twice: no routing of distinct tokens)
         return first.cpu().numpy().astype("int64"), length
+
+
+def whole(index: torch.Tensor, rows: int, taken: int):
+    """The (rows, taken) positions of a gather's index that holds one position per (row, token), broadcast over the
+    trailing axes (each token taken whole); None where features are gathered from positions of their own."""
+    flat = index.reshape(rows, taken, -1)
+    first = flat[..., 0]
+    return first if bool((flat == first[..., None]).all()) else None
