@@ -495,3 +495,21 @@ def test_a_relative_bias_holding_causal_and_left_padding_never_handed_to_sdpa(tm
     assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: kept_some(b, q) and masked(b, q, k))
     count = sum(masked(b, q, k) for b in range(3) for q in range(6) for k in range(6) if kept_some(b, q))
     assert f"attention_mask of _attn(), {count} cells masked" in hit["message"]
+
+
+def test_a_routed_heavy_branch_that_builds_its_kv_padding_mask_and_attends_without_it_is_found(tmp_path):
+    """lucidrains/CoLT5-attention 0f34926 (written blind): the routed key/values' padding mask, padded for the null kv,
+    is built and `self.attend(q, k, v)` called without it. Row 0 holds no padding, row 1 six pads; the null key 0 is
+    kept."""
+    found = check_bug(tmp_path, "colt5_attention_routed_heavy_attention_drops_kv_padding_mask", "mask-argument-dropped")
+    b, q, k = found[0]["cell"]
+    assert b == 1 and k >= 1
+    assert "mask of forward()" in found[0]["message"]
+
+
+def test_top_k_selected_keys_whose_gathered_padding_mask_is_never_passed_are_found(tmp_path):
+    """The same bug written another way: left padding (row 1: five pads first), keys picked by topk and
+    take_along_dim, their padding spread over the queries as a (B, Lq, Lk) bool that the helper never passes on."""
+    found = check_bug(tmp_path, "topk_selected_kv_padding_mask_not_passed", "mask-argument-dropped", folder=DROPPED)
+    assert found[0]["cell"][0] == 1  # (row 0 holds no padding)
+    assert "attn_mask of attend()" in found[0]["message"]

@@ -25,9 +25,10 @@ def permuted_padding(run: Run) -> list:
     """Each model call's first attention call whose key mask follows the tokens' order before the call reordered them."""
     found = []
     for top in run.tops:
-        if not top.permuted:
+        reorderings = [entry for entry in top.permuted if "rows" in entry]  # (not k tokens routed: checks/routed.py)
+        if not reorderings:
             continue
-        masks = _stated(top.permuted[0]["masks"])
+        masks = _stated(reorderings[0]["masks"])
         for call in run.made_by(top) if masks else ():
             order = _order(top.permuted, call.index)
             if order is None or cross(call) or call.shape[0] != order.shape[0] or call.shape[2:] != (order.shape[1],) * 2:
@@ -69,6 +70,8 @@ def _order(permuted: tuple, index: int) -> np.ndarray | None:
     for entry in permuted:
         if entry["after"] > index:
             break
+        if "rows" not in entry:
+            continue  # (k of the tokens routed, no reordering: trace/routed.py)
         rows = entry["rows"]
         if order is not None and order.shape != rows.shape:
             return None

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from maskcli.trace.routed import subset, whole
+
 GATHERS = frozenset({torch.gather, torch.Tensor.gather})
 MOST = 8  # permutations kept per outermost module call
 CELLS = 1 << 16  # (B, L) positions of an index read at most
@@ -32,7 +34,8 @@ def noted(trace):
         if trace._local.busy:
             return False
         found = permutation(args, kwargs)
-        if found is not None:
+        routed = subset(args, kwargs) if found is None else None  # (k of the L tokens taken: trace/routed.py)
+        if found is not None or routed is not None:
             from maskcli.trace.sites import running
 
             calls = running(sys._getframe(1))  # (the outermost module call running: its frame, as Outer._called's)
@@ -40,7 +43,9 @@ def noted(trace):
                 if len(trace._permuted) >= MOST and id(calls[-1][1]) not in trace._permuted:  # (calls that made no
                     trace._permuted.pop(next(iter(trace._permuted)))  # attention call: no Top took theirs)
                 kept = trace._permuted.setdefault(id(calls[-1][1]), [])
-                if len(kept) < MOST:
+                if len(kept) < MOST and routed is not None:
+                    kept.append({"after": len(trace._calls), "positions": routed[0], "length": routed[1]})
+                elif len(kept) < MOST:
                     kept.append({"after": len(trace._calls), "rows": found, "masks": _handed(calls[-1], found.shape)})
         return False
 
@@ -82,9 +87,8 @@ def permutation(args: tuple, kwargs: dict):
     if length < 2 or rows * length > CELLS or index.dtype not in (torch.int64, torch.int32):
         return None
     with torch._C.DisableTorchFunction(), torch.no_grad():
-        flat = index.reshape(rows, length, -1)
-        first = flat[..., 0]
-        if not bool((flat == first[..., None]).all()):
+        first = whole(index, rows, length)
+        if first is None:
             return None  # (each feature gathered from its own position: no token moved whole)
         order = torch.arange(length, device=first.device)
         if not bool((first.sort(dim=1).values == order).all()) or bool((first == order).all()):

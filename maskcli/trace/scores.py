@@ -21,6 +21,7 @@ import torch
 
 from maskcli.trace.copiedfold import copied_fold
 from maskcli.trace.followed import operands_of
+from maskcli.trace.headadded import heads_apart
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 from maskcli.trace.posbias import addend as pos_addend, carried as carried_bias
 from maskcli.trace.regrouped import Pending
@@ -160,6 +161,9 @@ class Scores:
         addend = self.added.get(id(x)) if isinstance(x, torch.Tensor) and self.has(x) else None
         if addend is None or "axes" in seen.details:
             return
+        apart = heads_apart(addend, x)  # (one value per head, differing: a head mask the softmax cancels, headadded.py)
+        if apart is not None:
+            call.details["heads_added"] = seen.details["heads_added"] = apart
         keep = seen.keep if seen.keep is not None else seen.materialize()
         if zero_one_seen(addend, x, keep):
             call.details["zero_one"] = seen.details["zero_one"] = True
