@@ -11,7 +11,10 @@ the padded content; frames that differ there do). A causal one (its own padding 
 frame: a Mamba or short-conv mixer's) is recorded too, with no tails: per batch row the runs of its frames that are all
 zero (`zeros`, for every convolution), so that checks/convleft.py can tell whether the padded tokens a real one reads
 carry content. Kept per outermost module call (the Top it makes: `convs`), so the rules read them beside that call's
-attention masks.
+attention masks; those that run before its first attention call (a TTS model's convolutional position embedding) wait
+with the outermost module call they ran in until it attends (`adopt`). As the call finishes, each is given the 2-D
+masks the call was handed, as the prefix lengths they state (`stated_frames`: checks/convpad.py places a convolution
+of other rows or frames by them).
 """
 
 from __future__ import annotations
