@@ -112,7 +112,8 @@ def _finding(lengths: tuple, convs: tuple, batch: int, frames: int) -> Finding |
 
 
 RULES = (
-    Rule("padding-convolved", "wrong", "steps", "a time-mixing convolution (a Conformer's depthwise Conv1d) reads "
+    Rule("padding-convolved", "wrong", "steps", "a time-mixing convolution (a Conformer's depthwise Conv1d, a TTS model's "
+         "convolutional position embedding) reads "
          "padded frames that carry content into real ones, where the same model call's self-attention masks them as "
          "padding (wenet#223, pytorch/audio#4205: the conv module never given the padding mask)", padding_convolved),
 )
