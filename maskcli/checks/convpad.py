@@ -12,7 +12,10 @@ The padding is what the model's own attention masks, per batch row: the keys of 
 any head, sees, where they are the row's last ones (right padding: keys [L, T)). A convolution of the same model call
 over (B, C, T) frames of the same B and T (recorded by trace/convpad.py: stride 1, reaching past a frame) mixes
 padding in where a row's padded frames are not one constant frame (zeros, or one constant a bias made of zeros, carry
-nothing of the padding; frames that differ do). Quiet on causal convolutions (they read no later frame), strided ones
+nothing of the padding; frames that differ do). A convolution of other rows or frames is placed where the model call's
+own 2-D mask over its (B, T) frames states the attention's padding: its frames the attention's last T keys (register or
+speaker tokens put before them), its rows the attention's first B, repeated (a classifier-free guidance batch:
+voicebox-pytorch d079b26, F5-TTS a051a68). Quiet on causal convolutions (they read no later frame), strided ones
 (subsampling: checks/subsampled.py), left padding, calls whose rows all see every key, cross-attention.
 """
 
