@@ -82,3 +82,68 @@ def test_zeroed_padding_is_quiet(tmp_path):
                          ("nemo_conv_module_not_given_pad_mask", CONVPAD)):
         status, found, report = traced(tmp_path, name, True, *((folder,) if folder else ()))
         assert status == 0 and not [f for f in found if f["code"] == "padding-convolved"], report
+
+
+def _first_padded(lengths: list[int], before: int) -> tuple[int, int, int]:
+    """The reference: (row, last real key, first padded key) of the first row shorter than the longest, its frames the
+    attention's keys after `before` tokens put ahead of them."""
+    b = next(i for i, n in enumerate(lengths) if n < max(lengths))
+    return b, before + lengths[b] - 1, before + lengths[b]
+
+
+def test_voicebox_conv_position_embed_ignores_padding_mask(tmp_path):
+    """lucidrains/voicebox-pytorch d079b26 (written blind, batch blind-es): ConvPositionEmbed's depthwise conv ran over
+    the ODE noise of padded frames before the transformer, which prepends 4 register tokens and pads the
+    `self_attn_mask` with True for them: the conv's 24 frames are the attention's last 24 keys (lengths 24, 13, 18)."""
+    [hit] = check_bug(tmp_path, "voicebox_pytorch_conv_position_embed_ignores_padding_mask", "padding-convolved")
+    assert tuple(hit["cell"]) == _first_padded([24, 13, 18], 4)
+    assert "(3, 24) mask" in " ".join(hit["message"].split())
+
+
+def test_f5_tts_conv_position_embedding_unmasked_batch_padding(tmp_path):
+    """SWivid/F5-TTS a051a68 (issues #1039, #1179; written blind, batch blind-es): DiT.get_input_embed never handed
+    `audio_mask` to ConvPositionEmbedding, whose convs run over 3 rows that classifier-free guidance doubles to 6
+    before the attention (durations 32, 20, 26)."""
+    [hit] = check_bug(tmp_path, "f5_tts_dit_conv_position_embedding_unmasked_batch_padding", "padding-convolved")
+    assert tuple(hit["cell"]) == _first_padded([32, 20, 26], 0)
+
+
+def test_speaker_token_before_frames_mha_key_padding(tmp_path):
+    """Written another way: one speaker token before the frames, nn.MultiheadAttention's key_padding_mask (True =
+    padding) handed to the model, the padded frames holding sinusoidal positions (lengths 11, 16, 7)."""
+    [hit] = check_bug(tmp_path, "speaker_token_conv_pos_embed_before_mha_key_padding", "padding-convolved",
+                      folder=CONVPAD)
+    assert tuple(hit["cell"]) == _first_padded([11, 16, 7], 1)
+
+
+def test_cfg_doubled_batch_sdpa_float_mask(tmp_path):
+    """Written another way: the conv runs per guidance branch over 4 rows, 8 attend under an additive float mask, the
+    padding stated as a 0/1 integer `x_mask`; a dilated conv (lengths 9, 14, 12, 6)."""
+    [hit] = check_bug(tmp_path, "cfg_doubled_batch_conv_embed_sdpa_float_mask", "padding-convolved", folder=CONVPAD)
+    assert tuple(hit["cell"]) == _first_padded([9, 14, 12, 6], 0)
+
+
+def test_a_convolution_before_the_first_attention_call_is_the_model_calls():
+    """A convolution that runs before the model call's first attention call is recorded with that call, with the
+    call's own 2-D masks (either polarity) as the prefix lengths they state; one that ran in another module call
+    before it is not."""
+    weight = torch.randn(3, 1, 3)
+
+    class Model(torch.nn.Module):
+        def forward(self, x, pad_mask):
+            x = x + F.conv1d(x, weight, padding=1, groups=3)
+            q = x.transpose(1, 2)[:, None]
+            return F.scaled_dot_product_attention(q, q, q)
+
+    class Other(torch.nn.Module):
+        def forward(self, x):
+            return F.conv1d(x, weight, padding=1, groups=3)
+
+    pad_mask = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    with Trace() as t:
+        Other()(torch.randn(2, 3, 5))
+        Model()(torch.randn(2, 3, 6), pad_mask)
+    [conv] = t.tops[0].convs
+    assert conv["frames"] == 6
+    real = (~pad_mask).sum(1).tolist()
+    assert ((2, 6), tuple(real)) in conv["stated"] and real == [6, 4]

@@ -50,3 +50,20 @@ def test_the_rule_reads_every_way_the_lengths_lie():
     assert _read_against(prefix, real) == (1, 0)
     held = {"kind": "columns", "name": "valid_length", "rows": np.array([[6, 1], [4, 1]])}
     assert [name for name, _ in _columns(held, 6)] == ["valid_length[:, 0] right-padded", "valid_length[:, 0] left-padded"]
+
+
+def test_e2_tts_sample_mask_excludes_audio_prompt(tmp_path):
+    """lucidrains/e2-tts-pytorch 90bb536 (reverting 24474eb; written blind, batch blind-es): E2TTS.sample did
+    `mask &= ~cond_mask`, so no frame attends to the voice prompt; `duration` (24, 20) holds each sample's frames and
+    `lens` (10, 7) its prompt's. Fix quiet."""
+    hit = check_bug(tmp_path, "e2_tts_pytorch_sample_attention_mask_excludes_audio_prompt", "real-keys-hidden")[0]
+    assert "duration" in hit["source"] and "duration right-padded" in hit["message"]
+    assert tuple(hit["cell"]) == _first_hidden([24, 20], [10, 7], 24)
+
+
+def test_prompt_frames_or_ed_into_mha_key_padding(tmp_path):
+    """Written another way: nn.MultiheadAttention's key_padding_mask (True = padding) from `durations` OR-ed with the
+    prompt frames, three rows, two padded. Fix quiet."""
+    hit = check_bug(tmp_path, "prompt_frames_in_key_padding_mask_mha_durations", "real-keys-hidden", HIDDENREAL)[0]
+    assert "durations" in hit["source"]
+    assert tuple(hit["cell"]) == _first_hidden([17, 20, 13], [5, 8, 6], 20)

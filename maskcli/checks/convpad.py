@@ -12,7 +12,10 @@ The padding is what the model's own attention masks, per batch row: the keys of 
 any head, sees, where they are the row's last ones (right padding: keys [L, T)). A convolution of the same model call
 over (B, C, T) frames of the same B and T (recorded by trace/convpad.py: stride 1, reaching past a frame) mixes
 padding in where a row's padded frames are not one constant frame (zeros, or one constant a bias made of zeros, carry
-nothing of the padding; frames that differ do). Quiet on causal convolutions (they read no later frame), strided ones
+nothing of the padding; frames that differ do). A convolution of other rows or frames is placed where the model call's
+own 2-D mask over its (B, T) frames states the attention's padding: its frames the attention's last T keys (register or
+speaker tokens put before them), its rows the attention's first B, repeated (a classifier-free guidance batch:
+voicebox-pytorch d079b26, F5-TTS a051a68). Quiet on causal convolutions (they read no later frame), strided ones
 (subsampling: checks/subsampled.py), left padding, calls whose rows all see every key, cross-attention.
 """
 
@@ -63,30 +66,57 @@ def padding_convolved(run: Run) -> list:
     return found
 
 
+def _rows(lengths: tuple, frames: int, conv: dict) -> tuple | None:
+    """Each of `conv`'s rows' real frames, from the attention's per-row key lengths over `frames` keys: the same rows
+    and frames as they are; else where the program states the convolution's own (B, T) frames padded as the attention
+    masks them (a 2-D mask argument of the model call whose real frames are a prefix of each row: trace/convpad.py's
+    `stated`), its frames the attention's last T keys (tokens put before them: a model's register or prompt tokens
+    the attention's mask pads as real) and its B rows the attention's first (the attention's rows those B repeated: a
+    classifier-free guidance batch, conditional and unconditional). None where they cannot be placed so."""
+    rows, length = len(conv["tails"]), conv["frames"]
+    if (rows, length) == (len(lengths), frames):
+        return lengths
+    if not rows or len(lengths) % rows or lengths != lengths[:rows] * (len(lengths) // rows) or length > frames:
+        return None
+    placed = tuple(n - (frames - length) for n in lengths[:rows])
+    if min(placed) < 1 or ((rows, length), placed) not in conv.get("stated", ()):
+        return None
+    return placed
+
+
 def _finding(lengths: tuple, convs: tuple, batch: int, frames: int) -> Finding | None:
     for conv in convs:
-        tails = conv["tails"]
-        if conv["frames"] != frames or len(tails) != batch:
+        tails, placed = conv["tails"], _rows(lengths, frames, conv)
+        if placed is None:
             continue
-        rows = [b for b, (n, tail) in enumerate(zip(lengths, tails)) if n < frames and tail > n]
+        length = conv["frames"]
+        rows = [b for b, (n, tail) in enumerate(zip(placed, tails)) if n < length and tail > n]
         if not rows:
             continue
         b = rows[0]
-        n, reach = lengths[b], conv["reach"]
-        last = min(frames, n + reach) - 1
+        n, reach = placed[b], conv["reach"]
+        last = min(length, n + reach) - 1
+        before = frames - length  # (keys before the convolution's frames: none where they are the same)
+        where = f"the same {frames} frames"
+        if (len(tails), before) != (batch, 0):
+            keys = f"the attention's last {length} keys" if before else f"the attention's {frames} keys"
+            some = f"its first {len(tails)} rows, repeated in its {batch}" if len(tails) != batch else "its rows"
+            where = (f"{length} frames, {keys} of {some}, as the model call's own ({len(tails)}, {length}) mask "
+                     f"states them")
         return Finding("padding-convolved", (
             f"batch row {b}: real frame {n - 1} is convolved with padded frames {n}..{last} (a Conv1d of kernel "
-            f"{conv['kernel']}, padding {conv['padding']}, dilation {conv['dilation']}, over the same {frames} "
-            f"frames), which the model's own attention masks as padding (keys {n}..{frames - 1} of the row), and "
+            f"{conv['kernel']}, padding {conv['padding']}, dilation {conv['dilation']}, over {where}), which the "
+            f"model's own attention masks as padding (keys {n + before}..{frames - 1} of the row), and "
             f"the padded frames carry content (they are not one constant frame; {len(rows)} row"
             f"{'s' * (len(rows) != 1)} so) — the padding mask not handed to the convolution module?"),
-            expected=f"the padded frames zeroed before the convolution (row {b}: frames {n}..{frames - 1})",
-            source="the attention mask's key padding", cell=(b, n - 1, n))
+            expected=f"the padded frames zeroed before the convolution (row {b}: frames {n}..{length - 1})",
+            source="the attention mask's key padding", cell=(b, n + before - 1, n + before))
     return None
 
 
 RULES = (
-    Rule("padding-convolved", "wrong", "steps", "a time-mixing convolution (a Conformer's depthwise Conv1d) reads "
+    Rule("padding-convolved", "wrong", "steps", "a time-mixing convolution (a Conformer's depthwise Conv1d, a TTS model's "
+         "convolutional position embedding) reads "
          "padded frames that carry content into real ones, where the same model call's self-attention masks them as "
          "padding (wenet#223, pytorch/audio#4205: the conv module never given the padding mask)", padding_convolved),
 )

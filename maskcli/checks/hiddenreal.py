@@ -97,7 +97,7 @@ def real_keys_hidden(run: Run) -> list:
                 f"batch row {b}: key {k} is a real token by the lengths the program holds ({held['name']} in "
                 f"{held['where']}, read {name}), yet no query of this self-attention sees it ({count} real keys of the "
                 f"row hidden from every query), while the mask keeps to those lengths' padding: a key mask built for "
-                f"another attention (one that also masks a prefix or other real tokens)"),
+                f"another attention, or combined with a mask of other real tokens (a prefix, a prompt)"),
                 expected=f"every real key of the row ({name}) seen", source=f"{held['name']} in {held['where']}",
                 cell=(b, q, k))))
             break

@@ -11,10 +11,15 @@ the padded content; frames that differ there do). A causal one (its own padding 
 frame: a Mamba or short-conv mixer's) is recorded too, with no tails: per batch row the runs of its frames that are all
 zero (`zeros`, for every convolution), so that checks/convleft.py can tell whether the padded tokens a real one reads
 carry content. Kept per outermost module call (the Top it makes: `convs`), so the rules read them beside that call's
-attention masks.
+attention masks; those that run before its first attention call (a TTS model's convolutional position embedding) wait
+with the outermost module call they ran in until it attends (`adopt`). As the call finishes, each is given the 2-D
+masks the call was handed, as the prefix lengths they state (`stated_frames`: checks/convpad.py places a convolution
+of other rows or frames by them).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 from maskcli.trace.mode import has_values
 
 compiling = torch.compiler.is_dynamo_compiling
+_CALL = torch.nn.Module._call_impl.__code__
 
 MOST = 64  # convolutions kept per outermost module call (a model's layers: the first ones tell)
 
@@ -45,7 +51,11 @@ def patch(trace):
             trace.busy = True  # (its reads are maskcli's: no wrapper, nor the mode, takes them for the program's)
             try:
                 with torch._C.DisableTorchFunction():
-                    _read(trace, local.outer, args, kwargs)
+                    held = local.outer
+                    if held is not None and held[0] is not None:
+                        _read(trace._convs.setdefault(id(held), []), args, kwargs)
+                    else:
+                        _before(local, args, kwargs)
             except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace reaches the program
                 pass
             finally:
@@ -56,14 +66,47 @@ def patch(trace):
     return lambda: setattr(F, "conv1d", original)
 
 
-def _read(trace, held, args: tuple, kwargs: dict) -> None:
+def _before(local, args: tuple, kwargs: dict) -> None:
+    """A convolution that runs before the model call's first attention call (a TTS model's convolutional position
+    embedding, before its transformer): no model call is held yet, so what it reads waits with the outermost module call
+    it runs in (its _call_impl frame, found by a walk out of the frames, made only for a convolution that reads later
+    frames or causally) until that call's first attention call adopts it (`adopt`). One model call waits at a time."""
+    found: list = []
+    _read(found, args, kwargs)
+    if not found:
+        return
+    frame, outermost = sys._getframe(2), None
+    while frame is not None:
+        if frame.f_code is _CALL:
+            outermost = frame
+        frame = frame.f_back
+    if outermost is None:
+        return
+    waiting = getattr(local, "conv_before", None)
+    if waiting is None or waiting[0] is not outermost:
+        local.conv_before = waiting = (outermost, [])
+    if len(waiting[1]) < MOST:
+        waiting[1].extend(found)
+
+
+def adopt(trace, held: list, frame) -> None:
+    """The convolutions that ran before the first attention call of the outermost module call `held`, whose frame is
+    `frame` (`_before`), made its own; whatever waited for another call let go."""
+    waiting = getattr(trace._local, "conv_before", None)
+    if waiting is None:
+        return
+    trace._local.conv_before = None
+    if waiting[0] is frame:
+        trace._convs.setdefault(id(held), [])[:0] = waiting[1]
+
+
+def _read(found: list, args: tuple, kwargs: dict) -> None:
     named = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
     given = {**dict(zip(named, args)), **kwargs}
     x, weight = given.get("input"), given.get("weight")
-    if held is None or held[0] is None or not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) \
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) \
             or x.dim() != 3 or not x.is_floating_point() or not has_values(x) or x.shape[-1] < 2:
         return
-    found = trace._convs.setdefault(id(held), [])
     kernel, stride = int(weight.shape[-1]), _int(given.get("stride"), 1)
     padding, dilation = _int(given.get("padding"), 0), _int(given.get("dilation"), 1)
     if len(found) >= MOST or kernel < 2 or stride != 1 or dilation is None or padding is None:
@@ -107,3 +150,30 @@ def zero_runs(zero: torch.Tensor) -> tuple:
         edge = None if more else next(rows)
         found.append(None if more else tuple(zip(edge[::2], edge[1::2])))
     return tuple(found)
+
+
+def stated_frames(convs: list, module, args: tuple, kwargs: dict) -> None:
+    """Each convolution of a finished model call given `stated`: each row's real frames as the call's own 2-D masks
+    (any name with `mask` in it; bool or 0/1 integers, (B, T)) state them, where a row's real frames are a prefix of
+    it, in either polarity (True = real: `self_attn_mask`, `lens_to_mask`; True = padding: `key_padding_mask`) — a
+    tuple ((B, T), lengths) each, read once per call (checks/convpad.py maps a convolution's frames onto the
+    attention's keys by them, where its rows or frames are not the attention's)."""
+    from maskcli.trace.tops import _given
+
+    found = []
+    for name, value in _given(module, args, kwargs)[1].items():
+        if "mask" not in name.lower() or not issubclass(type(value), torch.Tensor) or value.dim() != 2 \
+                or value.is_floating_point() or value.numel() > 1 << 20 or value.device.type == "meta":
+            continue
+        flags = value.detach()
+        if flags.dtype != torch.bool:
+            if not bool(((flags == 0) | (flags == 1)).all()):
+                continue
+            flags = flags.bool()
+        for real in (flags, ~flags):
+            counts = real.sum(1)
+            prefix = torch.arange(real.shape[1], device=real.device)[None] < counts[:, None]
+            if bool((prefix == real).all()):
+                found.append((tuple(real.shape), tuple(int(n) for n in counts.tolist())))
+    for conv in convs:
+        conv["stated"] = tuple(found)

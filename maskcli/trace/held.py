@@ -26,7 +26,7 @@ from maskcli.trace.toplevel import read_by
 
 KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real token
 PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
-LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_|[a-z])?(?:len|lens|lengths|seq_lens|seqlens)$")  # (ESPnet's `ilens`, `hlens`)
+LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_|[a-z])?(?:len|lens|lengths|seq_lens|seqlens|durations?)$")  # (ESPnet's `ilens`, `hlens`)
 COLUMNS = re.compile(r"^(?!cu_|max_)\w+_lengths?$")  # (B, k) lengths, a column each: Sockeye's `valid_length`
 # (total, prepended) pairs (checks/hiddenreal.py; kind "columns", which the rules reading 1-D lengths leave alone)
 CELLS = re.compile(r"(?:^|_)chunk_masks?$")  # a streaming encoder's chunk mask (L, L) or (B, L, L): its polarity unsaid

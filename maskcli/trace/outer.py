@@ -15,6 +15,7 @@ import weakref
 import torch
 
 import maskcli.trace.assigned as assigned
+from maskcli.trace.convpad import adopt, stated_frames
 
 
 @functools.cache
@@ -70,6 +71,7 @@ class Outer:
             kept = {}
         kept["state_writes"] = assigned.WRITES[0]  # (module state assigned so far: checks/continued.py)
         local.outer = held = [frame, module, args, kwargs, first, len(self._calls), kept]
+        adopt(self, held, found[-1][1])  # (its convolutions before this first attention call: trace/convpad.py)
         self._outers[threading.get_ident()] = held
         if id(module) not in self._handles:
             self.poolrows.first_call(frame, module, args, kwargs, held, self._follow)  # (its post hook is not run now)
@@ -123,6 +125,8 @@ class Outer:
             return
         held[0] = None  # (its frame let go: the program's variables are its own again)
         convs = self._convs.pop(id(held), ())  # (what its convolutions read: trace/convpad.py)
+        if convs:
+            stated_frames(convs, module, args, kwargs)  # (the call's own 2-D masks beside them: trace/convpad.py)
         pools = self._pools.pop(id(held), ())  # (the positions its poolings weigh: trace/poolweights.py)
         permuted = self._permuted.pop(id(frame), ())  # (its tokens reordered by a gather: trace/permuted.py)
         for key, value in list(self._outers.items()):
