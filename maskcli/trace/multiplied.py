@@ -7,7 +7,8 @@ them, written in place) with a tensor of only 0s and 1s, some of each, that broa
 zeroed on the scores' base tensor; an out-of-place step that keeps the shape (a scaling, a fill) carries the marks.
 At a softmax over marked scores, "multiplied" says how many marked cells it still weighs (not filled low since: a
 `masked_fill(mask == 0, -inf)` or a `(1 - mask) * -1e9` after the product masks them) in rows that weigh unmarked
-cells too (a row zeroed whole is a padded query's, uniform whatever is done).
+cells too (a row zeroed whole is a padded query's, uniform whatever is done), less those the weights are then
+multiplied by 0 at (`narrowed`: AllenNLP's masked_softmax multiplies its mask in both before and after the softmax).
 """
 
 from __future__ import annotations
@@ -115,5 +116,29 @@ class Products:
             rows = zeroed.any(-1) & kept.any(-1)
             if not bool(rows.any()):
                 return
-            cells = int((zeroed & rows[..., None]).sum())
+            seen.marked = zeroed & rows[..., None]
+            cells = int(seen.marked.sum())
         call.details["multiplied"] = seen.details["multiplied"] = {"cells": cells, "rows": int(rows.sum())}
+
+
+def narrowed(call, seen, keep: torch.Tensor) -> None:
+    """The call's weights masked after its softmax by `keep` (trace/after.py): the marked cells it hides weigh nothing
+    after all (AllenNLP's masked_softmax: softmax(scores * mask) * mask, renormalised), so only those it keeps count;
+    where none is left, "multiplied" goes."""
+    marked = getattr(seen, "marked", None)
+    if marked is None or "multiplied" not in seen.details:
+        return
+    try:  # (the scores' cells as the call's keep lays them out: (B, H, Lq, Lk), a 3-D softmax's rows folded)
+        if marked.numel() == keep.numel():
+            still = marked.reshape(keep.shape) & keep
+        elif keep.dim() <= marked.dim():
+            still = marked & keep
+        else:
+            return
+    except RuntimeError:  # (shapes that do not broadcast: left as read)
+        return
+    rows = still.any(-1)
+    for details in (call.details, seen.details):
+        details.pop("multiplied", None)
+        if bool(rows.any()):
+            details["multiplied"] = {"cells": int(still.sum()), "rows": int(rows.sum())}
