@@ -26,32 +26,34 @@ def causal_under_encoder(run: Run) -> list:
     found, done = [], set()
     for call in run.calls:
         built, flag = call.details.get("built_not_causal"), call.details.get("module_causal")
-        if built is None or flag is None or cross(call) or call.shape[2] < 2:
+        if built is None or flag is None or cross(call) or call.shape[2] < 2 or (call.mask, tuple(call.shape)) in done:
             continue
-        key = (call.mask, tuple(call.shape), built, flag)
-        if key in done:
-            continue
-        done.add(key)
-        cells = keep(call)
-        if cells is None:
-            continue
-        own = run.placed(call)[1]
-        if own.size != call.shape[2]:
-            continue
-        ahead = np.arange(call.shape[3])[None, :] > own[:, None]  # (Lq, Lk): the keys after each query's own
-        if not ahead.any() or (cells & ahead).any():
-            continue
-        # the later keys of queries that see something: what the encoder's word says they should see
-        missed = np.broadcast_to(ahead, cells.shape) & cells.any(axis=-1, keepdims=True)
-        if not missed.any():
-            continue
-        b, _, q, k = first_cell(missed)
-        found.append((call, Finding("causal-under-encoder", (
-            f"{call.where} holds causal=True ({flag}) and no query sees a later key (batch row {b}: query {q} misses "
-            f"key {k}), but the model it runs in was built not causal ({built}): its attention should see both ways "
-            f"(a causal flag hard-coded in the module, not handed the model's)"),
-            expected="bidirectional", source=built, cell=(b, q, k))))
+        done.add((call.mask, tuple(call.shape)))
+        cell = _missed(run, call)
+        if cell is not None:
+            found.append((call, Finding("causal-under-encoder", (
+                f"{call.where} holds causal=True ({flag}) and no query sees a later key (batch row {cell[0]}: query "
+                f"{cell[1]} misses key {cell[2]}), but the model it runs in was built not causal ({built}): its "
+                f"attention should see both ways (a causal flag hard-coded in the module, not handed the model's)"),
+                expected="bidirectional", source=built, cell=cell)))
     return found
+
+
+def _missed(run: Run, call) -> tuple[int, int, int] | None:
+    """(batch row, query, key) of the first later key a query that sees some key misses, where no query sees a later
+    key and later keys are there (the queries placed among the keys as the run places them); None otherwise."""
+    cells = keep(call)
+    own = run.placed(call)[1]
+    if cells is None or own.size != call.shape[2]:
+        return None
+    ahead = np.arange(call.shape[3])[None, :] > own[:, None]  # (Lq, Lk): the keys after each query's own
+    if not ahead.any() or (cells & ahead).any():
+        return None
+    missed = np.broadcast_to(ahead, cells.shape) & cells.any(axis=-1, keepdims=True)
+    if not missed.any():
+        return None
+    b, _, q, k = first_cell(missed)
+    return b, q, k
 
 
 RULES = (
