@@ -1,9 +1,9 @@
 """An attention module that holds `causal = True` under a model the program built not causal.
 
 A model whose constructor was handed `causal=False` (or `is_causal=False`, `bidirectional=True`) by the script's own
-top-level statement (trace/builtflag.py: details["built_not_causal"]) is an encoder: its tokens attend both ways. An
-attention module under it that holds `causal = True` itself (details["module_causal"], trace/sites.py) and whose
-mask lets no query see a later key, while later keys are there to see, ignored the model's word
+top-level statement (trace/builtflag.py, read by trace/queried.py: details["built_not_causal"]) is an encoder: its
+tokens attend both ways. An attention module under it that holds `causal = True` itself (details["module_causal"],
+trace/sites.py) and whose mask lets no query see a later key, while later keys are there to see, ignored the model's word
 (lucidrains/routing-transformer 57b1573: `SelfAttention` built `LocalAttention(window, causal = True)` whatever the
 RoutingTransformer was asked; its fix passes `causal = causal`).
 

@@ -22,7 +22,6 @@ from collections import Counter
 import torch
 
 from maskcli.trace.builders import causal_builder
-from maskcli.trace.builtflag import built_not_causal
 from maskcli.trace.crossing import Readings
 from maskcli.checks.causalname import causal_class
 from maskcli.trace.forwardflag import forward_flag, stated_flag
@@ -120,8 +119,6 @@ class Sites:
         flag = guarded(causal_flag, self.stack) or (None if walked is None else guarded(stated_flag, self.stack, walked.held))
         if flag is not None:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
-            if not flag.endswith("=False") and (built := guarded(built_not_causal, self.stack)) is not None:
-                details["built_not_causal"] = built  # (the model built causal=False around it: checks/builtcausal.py)
             if flag.endswith("=False") and self.walked is not None:  # (a model whose forward is handed causal per call
                 # around a module that says False: GritLM's; checks/directions.py leaves those calls alone)
                 around = next((found for i in range(len(self.stack) - 1, -1, -1)
