@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from checkbugs import check_bug, runner, traced
+from checkbugs import check_bug, first, runner, traced
 from maskcli.checks.varlen import expression, given
 from maskcli.checks.context import Top
 from maskcli.commands import app
@@ -343,3 +343,33 @@ def test_decoder_segment_ids_beside_an_encoder_are_not_read():
     assert _decoder_segments({"decoder_segment_ids": ids})["segment_ids"].tolist() == [[1, 1, 2, 2]]
     assert _decoder_segments({"decoder_segment_ids": ids, "encoder_input_tokens": torch.zeros(1, 3)}) == {}
     assert _decoder_segments({"decoder_segment_ids": ids.float()}) == {}
+
+
+def test_cu_seqlens_that_unpad_the_attention_mask_over_the_real_tokens(tmp_path):
+    """prescient-design/lobster fd2fbe2 (PR #112; bug from #105): without flash-attn, Ume's unpadded FlexBERT layers run
+    SDPA over all the batch's real tokens with no mask, holding the cu_seqlens unpad_input made of the attention_mask."""
+    [hit] = check_bug(tmp_path, "lobster_ume_unpadded_sdpa_attends_across_sequences", "varlen-leak")[:1]
+    lengths = [20, 7, 13]  # the real tokens of each row, flattened one after another
+    document = [n for n, size in enumerate(lengths) for _ in range(size)]
+    assert hit["expected"] == "document(sizes=[20,7,13])"
+    assert tuple(hit["cell"]) == first((1, 40, 40), lambda b, q, k: document[q] != document[k])
+
+
+def test_cu_seqlens_handed_by_keyword_over_a_left_padded_batchs_real_tokens(tmp_path):
+    """Written another way: a MosaicBERT-style encoder unpads a left-padded batch and hands each layer `cu_seqlens=`;
+    its eager fallback softmaxes over every real token at once. The fix pads back and adds the key-padding bias."""
+    from pathlib import Path
+
+    [hit] = check_bug(tmp_path, "mosaicbert_style_unpadded_eager_attention_over_all_tokens", "varlen-leak",
+                      Path(__file__).parent / "data" / "packed")[:1]
+    document = [n for n, size in enumerate([9, 5, 7]) for _ in range(size)]
+    assert hit["expected"] == "document(sizes=[9,5,7])"
+    assert tuple(hit["cell"]) == first((1, 21, 21), lambda b, q, k: document[q] != document[k])
+
+
+def test_cu_seqlens_of_another_mask_are_not_the_unpadding():
+    """cu_seqlens whose lengths are not each row's real tokens are no unpadding of the model call's mask."""
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert given(Top("m", arguments={"cu_seqlens": np.array([0, 3, 5]), "attention_mask": mask}))[0][1].tolist() == \
+        [[0, 0, 0, 1, 1]]
+    assert given(Top("m", arguments={"cu_seqlens": np.array([0, 2, 5]), "attention_mask": mask})) == []

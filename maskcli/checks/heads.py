@@ -136,7 +136,10 @@ def _heads_axis(call, heads: set, same: bool) -> bool:
     own padding or causal mask. A head count that contradicts the axis is always quiet; none stated is quiet there."""
     if call.api != "softmax" or "axes" in call.details:
         return True
-    stated = call.details.get("stated_heads")
+    stated, given = call.details.get("stated_heads"), call.details.get("query_input")
+    if stated is not None and stated > 1 and given and call.shape[0] == given[0] * stated:
+        return False  # (the heads already folded into the batch axis, (B * H, N, ..): N is windows or blocks, a
+        # blocked local attention's scores (lucidrains' local-attention), whose count may equal the heads')
     return stated in heads if stated is not None or same else True
 
 

@@ -54,7 +54,8 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "hiddenreal", "blocksteps", "heldtree", "contextlater",
            "stalled", "repeated", "causalnone", "onesided", "topk", "aloneplaces", "evictbudget", "pooledaxis", "continued", "absentinput", "placedpads",
            "regrouped", "pooledpad", "pooledat", "maskmean", "offgrid", "keyscale", "blockwindow", "uncached", "permuted",
-           "sinkslots", "multiplied", "densesets", "owncut", "sinkblend", "poolspan", "skipped", "routed", "headadded")
+           "sinkslots", "multiplied", "densesets", "owncut", "sinkblend", "poolspan", "skipped", "routed", "headadded",
+           "builtcausal")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ def given(top, call=None) -> list[tuple[str, np.ndarray]]:
             continue  # q and k differ: not self-attention documents (pack's q-k-differ says it of a batch)
         shape = arguments[rows_of].shape[-2:] if rows_of is not None and arguments[rows_of].ndim == 2 else (1, int(cu[-1]))
         labels = _cumulative(cu, shape[0] * shape[1])
+        if labels is None and _unpadded(cu, arguments.get("attention_mask")):
+            shape, labels = (1, int(cu[-1])), _cumulative(cu, int(cu[-1]))  # (the real tokens only, flattened)
         if labels is not None:
             found.append((name, labels.reshape(shape)))
     for name in LABELS:
@@ -70,6 +72,14 @@ def given(top, call=None) -> list[tuple[str, np.ndarray]]:
         if seq_idx is not None and seq_idx.ndim == 2:
             found.append((name, seq_idx))
     return found
+
+
+def _unpadded(cu: np.ndarray, mask) -> bool:
+    """Whether `cu` are the unpadding of the model call's (B, L) attention_mask: one document per row, as long as the
+    row's real tokens (flash_attn's unpad_input, FlexBERT's unpadded layers: the real tokens flattened, padding gone)."""
+    if mask is None or mask.ndim != 2 or len(cu) != mask.shape[0] + 1:
+        return False
+    return bool(np.array_equal(np.diff(cu), (mask != 0).sum(axis=1)))
 
 
 def starts(labels: np.ndarray) -> np.ndarray:
