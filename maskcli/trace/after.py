@@ -263,9 +263,7 @@ class After:
         hand-written softmax's exp filled with 0 before its sum, `attn.masked_fill(mask, 0) / attn.sum(-1)`, is one:
         Practical_NLP_in_PyTorch's ScaledDotProductAttention.)"""
         _, call, seen = entry
-        from maskcli.trace.multiplied import narrowed
-
-        narrowed(call, seen, keep)  # (a 0/1 mask multiplied into the scores too: the cells it masks now are masked)
+        trace.products.narrowed(call, seen, keep)  # (a 0/1 mask multiplied into the scores too: trace/multiplied.py)
         seen.keep = keep
         q_len = keep.shape[-2]
         if q_len > 1 and bool((keep == keep[..., :1, :]).all()):

@@ -120,25 +120,24 @@ class Products:
             cells = int(seen.marked.sum())
         call.details["multiplied"] = seen.details["multiplied"] = {"cells": cells, "rows": int(rows.sum())}
 
-
-def narrowed(call, seen, keep: torch.Tensor) -> None:
-    """The call's weights masked after its softmax by `keep` (trace/after.py): the marked cells it hides weigh nothing
-    after all (AllenNLP's masked_softmax: softmax(scores * mask) * mask, renormalised), so only those it keeps count;
-    where none is left, "multiplied" goes."""
-    marked = getattr(seen, "marked", None)
-    if marked is None or "multiplied" not in seen.details:
-        return
-    try:  # (the scores' cells as the call's keep lays them out: (B, H, Lq, Lk), a 3-D softmax's rows folded)
-        if marked.numel() == keep.numel():
-            still = marked.reshape(keep.shape) & keep
-        elif keep.dim() <= marked.dim():
-            still = marked & keep
-        else:
+    def narrowed(self, call, seen, keep: torch.Tensor) -> None:
+        """The call's weights masked after its softmax by `keep` (trace/after.py): the marked cells it hides weigh
+        nothing after all (AllenNLP's masked_softmax: softmax(scores * mask) * mask, renormalised), so only those it
+        keeps count; where none is left, "multiplied" goes."""
+        marked = getattr(seen, "marked", None)
+        if marked is None or "multiplied" not in seen.details:
             return
-    except RuntimeError:  # (shapes that do not broadcast: left as read)
-        return
-    rows = still.any(-1)
-    for details in (call.details, seen.details):
-        details.pop("multiplied", None)
-        if bool(rows.any()):
-            details["multiplied"] = {"cells": int(still.sum()), "rows": int(rows.sum())}
+        try:  # (the scores' cells as the call's keep lays them out: (B, H, Lq, Lk), a 3-D softmax's rows folded)
+            if marked.numel() == keep.numel():
+                still = marked.reshape(keep.shape) & keep
+            elif keep.dim() <= marked.dim():
+                still = marked & keep
+            else:
+                return
+        except RuntimeError:  # (shapes that do not broadcast: left as read)
+            return
+        rows = still.any(-1)
+        for details in (call.details, seen.details):
+            details.pop("multiplied", None)
+            if bool(rows.any()):
+                details["multiplied"] = {"cells": int(still.sum()), "rows": int(rows.sum())}
