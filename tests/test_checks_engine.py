@@ -369,7 +369,10 @@ _FLEX = {"packed_documents_flex_cu_seqlens", "self_forcing_block_causal_video", 
 # HSTU's pointwise attention (SiLU of the scores times a 0/1 validity mask, no softmax) is no softmax attention either
 _NO_CALL = {"slot_attention_softmax_over_slots_no_mask", "allennlp_bidaf_masked_softmax_renormalised",
             "hstu_jagged_histories_silu_pointwise_attention_causal_valid_mask",
-            "flax_packed_segments_causal"}  # (numpy alone, a port of flax's masks: trace follows torch's calls)
+            "flax_packed_segments_causal",  # (numpy alone, a port of flax's masks: trace follows torch's calls)
+            # DynamicViT's softmax_with_policy is written out (exp, times the policy, over its sum: no softmax call), and
+            # ProteinMPNN's softmax is over each residue's k gathered neighbours (no query-by-key matrix of positions)
+            "dynamicvit_softmax_with_policy", "proteinmpnn_random_decoding_order"}
 # a finding that is true of a correct program: fairseq's left-padded prefix at step 0 leaves its padded queries' rows
 # NaN (a softmax of all -inf, pytorch/pytorch#41508), which nothing reads later; whether a program zeroes or reads such
 # rows no trace sees (test_checks_kernels.py keeps them suspicious), so the one finding is that, and no other
