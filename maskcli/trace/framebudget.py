@@ -32,17 +32,26 @@ BLOCKS = ("num_frame_per_block", "causal_block_size")  # frames generated (and a
 FLAG = "frame_budget"  # (local_attn_size or None, tokens per frame, sink frames or None): a FLAG of checks/intent.py
 
 
+def stated_int(value, names: tuple, least: int | None = None) -> tuple[str, int] | None:
+    """(name, value) of the first of `names` that `value` (a dict's key, else an attribute: configread.read) states as
+    an int of at least `least` (any int: None), each read once; None where none is. The program's own code raising
+    inside a read propagates (the caller says what that leaves unstated)."""
+    get = value.get if isinstance(value, dict) else (lambda name: read(value, name))
+    for name in names:
+        found = get(name)
+        if type(found) is int and (least is None or found >= least):
+            return name, found
+    return None
+
+
 def _budget(value) -> tuple | None:
     """(local_attn_size or None, tokens per frame, sink frames or None, the names read) where `value` states the tokens
     per frame and local_attn_size or the frames of a block, else None."""
     try:
-        get = value.get if isinstance(value, dict) else (lambda name: read(value, name))
-        local = next(((n, get(n)) for n in LOCAL if type(get(n)) is int), None)
-        frame = next(((n, get(n)) for n in PER_FRAME if type(get(n)) is int and get(n) > 0), None)
-        sink = next(((n, get(n)) for n in SINK if type(get(n)) is int and get(n) >= 0), None)
+        local, frame, sink = stated_int(value, LOCAL), stated_int(value, PER_FRAME, 1), stated_int(value, SINK, 0)
+        blocks = stated_int(value, BLOCKS, 1)
     except (Exception, SystemExit):  # noqa: BLE001 - the program's own code raising inside a read: not stated
         return None
-    blocks = next(((n, get(n)) for n in BLOCKS if type(get(n)) is int and get(n) > 0), None)
     if frame is None or local is None and blocks is None:
         return None
     names = ", ".join(f"{one[0]}={one[1]}" for one in (local, frame, sink, blocks) if one)

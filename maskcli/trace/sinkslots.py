@@ -17,8 +17,7 @@ import sys
 
 import torch
 
-from maskcli.checks.configread import read
-from maskcli.trace.framebudget import PER_FRAME, SINK
+from maskcli.trace.framebudget import PER_FRAME, SINK, stated_int
 
 FRAMES = 8  # program frames read for the sink, the kernel's caller outwards
 
@@ -50,10 +49,8 @@ def slots(key) -> tuple[int, int, int] | None:
 
 def _sink(value) -> tuple[int, str] | None:
     """(sink tokens, names) where `value` states sink frames and the tokens a frame; None otherwise."""
-    get = value.get if isinstance(value, dict) else (lambda name: read(value, name))
     try:
-        sink = next(((n, get(n)) for n in SINK if type(get(n)) is int and get(n) > 0), None)
-        frame = next(((n, get(n)) for n in PER_FRAME if type(get(n)) is int and get(n) > 0), None)
+        sink, frame = stated_int(value, SINK, 1), stated_int(value, PER_FRAME, 1)
     except (Exception, SystemExit):  # noqa: BLE001 - the program's own code raising inside a read: not stated
         return None
     if sink is None or frame is None:
