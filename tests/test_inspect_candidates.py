@@ -156,9 +156,9 @@ def test_a_kind_its_declarations_rule_out_at_a_placement_is_not_asked_for_candid
 def test_profile_reads_each_rows_first_and_last_key_whatever_block_of_rows_it_reads(cells, monkeypatch):
     """profile's last visible key per row, read a block of rows at a time (inspect of a 20,000^2 tensor copied it
     whole), against a loop over each row's keys."""
-    import maskcli.inspect.candidates as module
+    import maskcli.kinds.padding as module
 
-    monkeypatch.setattr(module, "CELLS", cells)
+    monkeypatch.setattr(module, "CELLS", cells)  # (the block of rows read at a time: padding.row_blocks)
     keep = np.random.default_rng(cells).random((9, 7)) < 0.4
     keep[3] = False
     got = profile(keep, 2, 5, "keep")

@@ -26,7 +26,7 @@ from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
 from maskcli.kinds.base import NOT_MADE, Kind, Profile, recognised
-from maskcli.kinds.padding import CELLS, key_runs
+from maskcli.kinds.padding import key_runs, row_blocks
 from maskcli.mask import MaskOptions
 from maskcli.positions import Frame
 from maskcli.terms import Term, placed_each
@@ -64,9 +64,8 @@ def _last(ref: np.ndarray) -> np.ndarray:
     the block it reads (a 20,000^2 tensor's rows at once: 400 MB)."""
     k_len = ref.shape[1]
     found = np.empty(ref.shape[0], dtype=np.int64)
-    step = max(1, CELLS // max(1, k_len))
-    for row in range(0, ref.shape[0], step):
-        found[row:row + step] = k_len - 1 - ref[row:row + step, ::-1].argmax(axis=1)
+    for rows in row_blocks(*ref.shape):
+        found[rows] = k_len - 1 - ref[rows, ::-1].argmax(axis=1)
     return found
 
 

@@ -23,13 +23,12 @@ def key_runs(valid: np.ndarray, frame, what: str = "the padding") -> Intervals:
     valid = np.asarray(valid)
     batch, size = valid.shape
     stride = size + 1  # (a run's start and end keyed row * stride + column: its end may be `size`)
-    step = max(1, CELLS // max(1, size))  # rows read at a time: their temporaries stay small (and in cache)
     found = [], []
-    for row in range(0, batch, step):
-        part = valid[row:row + step].astype(bool, copy=False)
-        found[0].append(_edges(part[:, 0], part[:, 1:] > part[:, :-1], 0, stride) + row * stride)  # a real key after
-        found[1].append(_edges(part[:, -1], part[:, :-1] > part[:, 1:], size, stride) + row * stride)  # a pad, or first;
-    starts, ends = (np.concatenate(keys) for keys in found)  # a pad after a real key, or the last
+    for rows in row_blocks(batch, size):  # (their temporaries stay small, and in cache)
+        part = valid[rows].astype(bool, copy=False)
+        found[0].append(_edges(part[:, 0], part[:, 1:] > part[:, :-1], 0, stride) + rows.start * stride)  # a real key
+        found[1].append(_edges(part[:, -1], part[:, :-1] > part[:, 1:], size, stride) + rows.start * stride)  # after a
+    starts, ends = (np.concatenate(keys) for keys in found)  # pad, or first; a pad after a real key, or the last
     rows, begin = np.divmod(starts, stride)
     finish = ends % stride
     counts = np.bincount(rows, minlength=batch)
@@ -42,6 +41,12 @@ def key_runs(valid: np.ndarray, frame, what: str = "the padding") -> Intervals:
     first[rows, rank] = begin
     last[rows, rank] = finish
     return Intervals.of(first[:, None, :], last[:, None, :], frame.k_start, frame.k_end)
+
+
+def row_blocks(rows: int, size: int) -> list[slice]:
+    """The rows of a (rows, size) array in blocks of about CELLS cells (one row at least), as slices."""
+    step = max(1, CELLS // max(1, size))
+    return [slice(row, row + step) for row in range(0, rows, step)]
 
 
 def _edges(outer: np.ndarray, inner: np.ndarray, at: int, stride: int) -> np.ndarray:
