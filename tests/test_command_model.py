@@ -475,6 +475,18 @@ def test_a_kv_shared_layers_sliced_prefill_is_its_last_query_and_no_finding():
 
 
 @needs_hf
+@pytest.mark.parametrize("field, value", [("num_attention_heads", 0), ("num_key_value_heads", -2), ("num_attention_heads", 2.5)])
+def test_a_config_json_with_no_heads_is_refused_naming_the_field(tmp_path, field, value):
+    """hunt 10: num_attention_heads 0 ended in "model_type 'llama': ZeroDivisionError: integer division or modulo by
+    zero", which names neither the field nor what to give."""
+    (tmp_path / "heads.json").write_text(json.dumps({"model_type": "llama", field: value}))
+    result = model(tmp_path / "heads.json", "--lengths", "3,2", "--new-tokens", "1")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (f"maskcli: error: '{tmp_path / 'heads.json'}': {field} {value} is not a number of heads: give a "
+                             "whole number of 1 or more\n")
+
+
+@needs_hf
 @pytest.mark.parametrize("family, field", [("mistral", "sliding_window"), ("llama4_text", "attention_chunk_size")])
 def test_a_config_json_with_a_window_or_chunk_of_0_is_refused_naming_it(tmp_path, family, field):
     """hunt 10: -3 was refused but 0 ran, and ended in "cannot run --attn sdpa --cache dynamic: RuntimeError:

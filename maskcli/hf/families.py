@@ -113,6 +113,10 @@ def file_config(path: str):
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MOST_READ_LAYERS):
         raise MaskError(f"{path!r}: num_hidden_layers {json.dumps(count)[:40]} is not a number of layers: give a whole "
                         f"number from 1 to {MOST_READ_LAYERS:,} (models have a few hundred at most)")
+    for name in ("num_attention_heads", "num_key_value_heads"):  # 0 ended in "ZeroDivisionError: integer division or modulo by zero"
+        heads = values.get(name)
+        if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+            raise MaskError(f"{path!r}: {name} {json.dumps(heads)[:40]} is not a number of heads: give a whole number of 1 or more")
     try:
         with quiet():
             config = transformers.AutoConfig.for_model(kind, **values)
