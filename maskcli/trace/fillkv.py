@@ -23,10 +23,11 @@ import torch
 from maskcli.trace.zerokv import _cells, _cpu, zero_kv
 
 
-def edge_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False) -> dict:
+def edge_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False,
+            edges: bool | None = None) -> dict:
     """zero_kv's details (trace/zerokv.py), else those of a run of keys at an edge whose K and V are each one nonzero
-    constant in every head and dimension (its table with "fill"), else {}."""
-    found = zero_kv(q, k, v, k_shape, mask, is_causal)
+    constant in every head and dimension (its table with "fill"), else {}. `edges`: as zero_kv's."""
+    found = zero_kv(q, k, v, k_shape, mask, is_causal, edges)
     if found.get("zero_kv") or not 3 <= len(k_shape) <= 4 or k_shape[-2] < 3 or k_shape[-1] < 2:
         return found
     try:

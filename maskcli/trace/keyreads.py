@@ -12,12 +12,17 @@ import maskcli.trace.slotwrites as slotwrites
 from maskcli.trace.fillkv import edge_kv
 from maskcli.trace.sinkblend import sink_blend
 from maskcli.trace.zerokeys import zero_keys
+from maskcli.trace.zerokv import _edges_nonzero
 
 
 def key_reads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False) -> dict:
     """The details of edge_kv, of zero_keys, of written and of keys_rescaled, merged."""
-    found = edge_kv(q, k, v, k_shape, mask, is_causal)
-    found = {**found, **zero_keys(k, v, k_shape)} if "zero_kv" not in found else found
+    try:
+        edges = _edges_nonzero(k, k_shape)  # (read once for zero_kv and zero_keys: most calls end at it in both)
+    except Exception:  # noqa: BLE001 - a tensor not read so: each reader tries it itself, and says nothing
+        edges = None
+    found = edge_kv(q, k, v, k_shape, mask, is_causal, edges)
+    found = {**found, **zero_keys(k, v, k_shape, edges)} if "zero_kv" not in found else found
     wrote = slotwrites.written(q.shape[-2], k, v, k_shape)
     blended = sink_blend(keyscale.last_keys(k_shape), k, k_shape)  # (before keys_rescaled keeps this call's keys)
     return {**found, **wrote, **blended, **keyscale.keys_rescaled(k, k_shape)}

@@ -20,14 +20,14 @@ from maskcli.trace.padded import MOST
 from maskcli.trace.zerokv import _cpu, _edges_nonzero
 
 
-def zero_keys(k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -> dict:
+def zero_keys(k: torch.Tensor, v: torch.Tensor, k_shape: tuple, edges: bool | None = None) -> dict:
     """{"zero_keys": bool (B, Lk)} where some of K's keys are zero in every head and dimension (V not: a slot nobody
     wrote is zero in both, zerokv.py's) and some are not; {} else (K not a 4-D CPU tensor, larger than a batch's
-    padding, or no such key)."""
+    padding, or no such key). `edges`: zerokv._edges_nonzero(k, k_shape) where the caller read it already."""
     if len(k_shape) != 4 or k_shape[0] * k_shape[1] * k_shape[2] > MOST or k_shape[-2] < 2:  # (a long cache: not read)
         return {}
     try:
-        if _edges_nonzero(k, k_shape):
+        if _edges_nonzero(k, k_shape) if edges is None else edges:
             return {}
         cells, values = _cpu(k), _cpu(v)
         if cells is None or values is None or cells.shape[:3] != tuple(k_shape[:3]) or values.shape[:3] != cells.shape[:3]:

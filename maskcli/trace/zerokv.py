@@ -26,18 +26,20 @@ import torch
 SPANS = 64  # zero query spans kept per batch row (more: the row is left out, as unread)
 
 
-def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False) -> dict:
+def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False,
+            edges: bool | None = None) -> dict:
     """{"zero_kv": {"left": [..], "right": [..], "zero_q": [[[start, end], ...], ...]}} per batch row (call.shape[0]
     rows, or 1 where K's batch is broadcast), or {} where no edge key is zero in K and V. `k_shape`: K's shape, read
     once by the caller. `mask` (SDPA's attn_mask) or `is_causal`: the runs are read from the edges of the keys some
     query keeps (each row's first and last kept key), and each row's [first, last + 1) is recorded as "keys" where it
-    is not every key: hidden slots (a static cache's unwritten tail) are not read at all."""
+    is not every key: hidden slots (a static cache's unwritten tail) are not read at all. `edges`: _edges_nonzero(k,
+    k_shape) where the caller read it already (trace/keyreads.py: zerokeys.py reads it too), None to read it here."""
     if not 3 <= len(k_shape) <= 4 or k_shape[-2] < 3:
         return {}
     try:
         if not (k.dim() == v.dim() == q.dim()) or k.is_nested or v.shape[-2] != k_shape[-2]:
             return {}
-        if _edges_nonzero(k, k_shape):
+        if _edges_nonzero(k, k_shape) if edges is None else edges:
             return {}  # (most calls: no row's first or last key may be zero, read cell by cell)
     except Exception:  # noqa: BLE001 - as below
         return {}
