@@ -52,7 +52,7 @@ def groups_leak(run: Run) -> list:
             f"{q_len} queries a row over {rows} batch row{'s' if rows > 1 else ''} (not a multiple of {groups}: the "
             f"groups are not in the batch axis), so each row holds the {groups} groups of {n} queries; but query {q} of "
             f"row {b} sees {int(seen[b, h, q])} keys, more than its group's {n}: the groups attend to each other "
-            f"(a group split undone by a reshape?)"),
+            f"(the split into the batch undone, or never made?)"),
             expected=f"each query sees at most its group's {n} keys", source=source, cell=(b, q, 0))))
     return found
 
