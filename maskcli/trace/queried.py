@@ -16,6 +16,7 @@ import torch
 from maskcli.trace.blockwindows import note as block_windows
 from maskcli.trace.builtflag import built_not_causal
 from maskcli.trace.placedids import placed_ids
+from maskcli.trace.querygroups import note as query_groups
 from maskcli.trace.scores import HEADS, stated_heads
 
 INNERMOST = 4  # running modules read, innermost first (a whole model's input speaks for no one layer)
@@ -93,7 +94,8 @@ def note(details: dict, stack: list, api: str = "", shape: tuple | None = None) 
     of hand-written scores is heads (checks/heads.py). At a one-row call over several queries that another
     sequence's keys (details["cross"]), the layer's folded samples and memories: details["query_input"] and
     details["memory_input"] (folded_inputs). At every call, the windows the running modules state where two differ
-    (trace/blockwindows.py: details["block_windows"]); under a model the script built not causal, details["built_not_causal"]
+    (trace/blockwindows.py: details["block_windows"]), the query groups a running module states (trace/querygroups.py:
+    details["query_groups"]); under a model the script built not causal, details["built_not_causal"]
     (trace/builtflag.py)."""
     if api == "softmax" and (heads := stated_heads(stack, HEADS + ("heads", "n_local_heads"))) is not None:
         details["stated_heads"] = heads
@@ -114,6 +116,7 @@ def note(details: dict, stack: list, api: str = "", shape: tuple | None = None) 
         if folded is not None:
             details["query_input"], details["memory_input"] = folded
     block_windows(details, stack)
+    query_groups(details, stack)  # (the query groups a module states it trains with: checks/querygroups.py)
     if "module_causal" in details and (built := built_not_causal(stack)) is not None:
         details["built_not_causal"] = built  # (the model built causal=False around it: checks/builtcausal.py)
 
