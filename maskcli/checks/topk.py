@@ -83,18 +83,22 @@ def _finding(call) -> Finding | None:
     cells, picked = picks(call)
     k, k_len = int(call.details["topk"]["k"]), call.shape[3]
     kept, chose = cells.sum(axis=-1), picked.sum(axis=-1)  # (B, H, Lq)
-    stated = dict(expected=f"each query keeps the {k} keys its scores' top-k picked (fewer only where fewer were open)",
-                  source=f"the program's own topk({k}) over the scores, along the keys")
+    smallest = bool(call.details["topk"].get("smallest"))
+    ranking, picking = (f"topk({k}, largest=False)", "left") if smallest else (f"topk({k})", "picked")
+    keeps = "only keys its scores' top-k left" if smallest else f"the {k} keys its scores' top-k picked"
+    stated = dict(expected=f"each query keeps {keeps} (fewer only where fewer were open)",
+                  source=f"the program's own {ranking} over the scores, along the keys")
     if how == "turned":
         b, h, q = (int(x) for x in np.argwhere(kept > 0)[0])
         return Finding("topk-mask-not-topk", (
             f"batch row {b}, head {h}: query {q} keeps {int(kept[b, h, q])} of {k_len} keys, none of the "
-            f"{int(chose[b, h, q])} its scores' topk({k}) picked, and no query keeps one ({int((kept > 0).sum())} "
-            f"query rows): the top-k mask used the wrong way round (True on the keys below the k-th score, taken as "
-            f"the keep-mask: the best keys dropped)"),
+            f"{int(chose[b, h, q])} its scores' {ranking} {picking}, and no query keeps one ({int((kept > 0).sum())} "
+            f"query rows): the top-k mask used the wrong way round (True on the keys "
+            f"{'the ranking dropped' if smallest else 'below the k-th score'}, taken as the keep-mask: the best keys "
+            f"dropped)"),
             **stated)
     short = kept < chose
-    if not short.any() or call.details["topk"].get("smallest"):  # (the keys dropped by a topk of the smallest: a
+    if not short.any() or smallest:  # (the keys dropped by a topk of the smallest: a
         # later mask may drop more, none it picked takes a slot)
         return None
     b, h, q = (int(x) for x in np.argwhere(short)[0])
