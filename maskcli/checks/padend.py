@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep
-from maskcli.checks.padded import _keys
+from maskcli.checks.padded import _keys, seen_through
 from maskcli.checks.registry import Rule
 from maskcli.checks.subsampled import _folds
 from maskcli.text import Finding, spans
@@ -66,17 +66,13 @@ def _finding(call, said: dict) -> Finding | None:
     cells = keep(call)
     if keys is None or cells is None or cells.shape[0] not in (1, rows) or rows % padding.shape[0]:
         return None
-    cells = np.broadcast_to(cells.any(axis=1), (rows, length, length))
-    first = None
-    for fold in _folds(padding.shape[0], rows):
-        data_k, pad_k = keys[0][fold], keys[1][fold]
-        bad = cells & data_k[:, :, None] & pad_k[:, None, :]
-        if not bad.any():
-            return None  # (a reading under which the attention hides the zero padding)
-        first = first if first is not None else bad
+    folds = _folds(padding.shape[0], rows)
+    first = seen_through(cells, keys, folds)
+    if first is None:
+        return None  # (a reading under which the attention hides the zero padding)
     b, q, k = first_cell(first)
     per = padding.shape[1] // length
-    row = int(_folds(padding.shape[0], rows)[0][b])
+    row = int(folds[0][b])
     made = f"sample {k}" if per == 1 else f"samples {k * per}-{(k + 1) * per - 1}"
     hidden = spans([int(s) for s in np.flatnonzero(~np.asarray(said["real"], dtype=bool)[row])])
     zeros = spans([int(s) for s in np.flatnonzero(padding[row])])
