@@ -1,6 +1,6 @@
 """checks/multiplied.py (and trace/multiplied.py): scores multiplied by a 0/1 mask before their softmax, on the
-published bug's reproduction (tests/data/bugs) and a padded encoder written another way (tests/data/multiplied), both
-quiet fixed; the cells read against a loop over the scores."""
+published bugs' reproductions (tests/data/bugs) and each written another way (tests/data/multiplied: a padded encoder,
+a variate graph's top-k mask), all quiet fixed; the cells read against a loop over the scores."""
 
 from __future__ import annotations
 
@@ -35,6 +35,47 @@ def test_a_padded_encoder_multiplying_its_key_mask_into_the_scores(tmp_path):
                     cells, rows = cells + len(padded), rows + 1
     hits = check_bug(tmp_path, "padded_encoder_key_mask_multiplied_into_scores", "ones-multiplied", MULTIPLIED)
     assert hits and all(f"set {cells} cells of {rows} query rows" in hit["message"] for hit in hits), hits
+
+
+def test_timefilter_graph_filter_knn_and_moe_masks_multiplied_before_the_softmax(tmp_path):
+    """TROUBADOUR000/TimeFilter#13 (same layers in thuml/Time-Series-Library; written blind, batch blind-et):
+    GraphLearner multiplies the edge scores by its KNN mask (`mask_topk`: the alpha * L smallest scattered to 0) and
+    its MoE region mask, and GraphFilter softmaxes them: every filtered-out edge still weighs exp(0). The fix fills
+    them with -inf: the KNN's topk(largest=False) states the keys it drops (no padding: padding-seen-by-one quiet),
+    and the MoE mask drops more after it (no slot of a top-k lost: topk-mask-not-topk quiet)."""
+    hits = check_bug(tmp_path, "timefilter_graphfilter_zero_masked_edges_before_softmax", "ones-multiplied")
+    assert hits and all("to logit 0, not -inf" in hit["message"] for hit in hits)
+
+
+def test_a_variate_graph_top_k_mask_multiplied_into_padded_scores(tmp_path):
+    """Written another way: an iTransformer-style encoder's sparse graph over variate tokens, `zeros_like(scores)`
+    scattered to 1 at each row's topk(3) and multiplied into einsum scores, a batch of 6 and 4 variables (padded to 6,
+    the padding filled with -inf after the product), 2 heads. Every query row (padded variates' too: they attend the
+    real ones) keeps 3 real keys and weighs the rest of its real keys at logit 0."""
+    real, heads, length, k = (6, 4), 2, 6, 3
+    cells = rows = 0
+    for n in real:  # (the loop: each head and query row of each sample, its real keys outside the top-k)
+        for _head in range(heads):
+            for _query in range(length):
+                zeroed = [key for key in range(n)][k:]
+                if zeroed:
+                    cells, rows = cells + len(zeroed), rows + 1
+    hits = check_bug(tmp_path, "variate_topk_graph_mask_multiplied_into_scores", "ones-multiplied", MULTIPLIED)
+    assert hits and all(f"set {cells} cells of {rows} query rows" in hit["message"] for hit in hits), hits
+
+
+def test_a_mask_scattered_into_zeros_like_the_scores_is_read_as_a_mask():
+    """Both operands followed as scores (the mask made by `zeros_like(scores).scatter`): the 0/1 one is the mask,
+    whichever side of the product it is on."""
+    torch.manual_seed(0)
+    scores = torch.randn(1, 2, 4, 4)
+    keep = torch.zeros_like(scores).scatter(-1, scores.topk(2, dim=-1).indices, 1.0)
+    zeroed = [(h, q, j) for h in range(2) for q in range(4) for j in range(4) if keep[0, h, q, j] == 0]
+    for pair in ((keep, scores), (scores, keep)):
+        products = Products()
+        out = pair[0] * pair[1]
+        products.after(torch.Tensor.__mul__, pair, out, lambda t: t is scores or t is keep)
+        assert _read(products, out) == {"cells": len(zeroed), "rows": 8}
 
 
 def _read(products: Products, x: torch.Tensor) -> dict | None:

@@ -43,3 +43,41 @@ def test_a_topk_taken_to_log_the_top_keys_is_no_mask(tmp_path):
     status, found, report = traced(tmp_path, "causal_attention_logs_top_keys", False, TOPK)
     assert status == 0, report
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == []
+
+
+def _smallest_dropped(turned: bool, causal: bool) -> list:
+    """topk-mask-not-topk's findings on a softmax whose keep-mask drops each row's topk(2, largest=False) (a KNN
+    graph filter's), turned round or not, a causal mask laid after the ranking or not."""
+    import torch
+
+    from maskcli.checks.context import Run
+    from maskcli.checks.topk import ranked
+    from maskcli.trace.capture import Trace
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    with Trace() as t:
+        sim = q @ k.transpose(-1, -2)
+        keep = torch.ones_like(sim, dtype=torch.bool).scatter(-1, sim.topk(2, dim=-1, largest=False).indices, False)
+        keep = ~keep if turned else keep
+        keep = keep & torch.ones(5, 5, dtype=torch.bool).tril() if causal else keep
+        sim.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    return [finding for _, finding in ranked(Run(t.calls, t.tops))]
+
+
+def test_a_topk_of_the_smallest_states_the_keys_dropped():
+    """TimeFilter's KNN: `topk(adj, k, largest=False)` scattered to 0 keeps the rest; a mask laid after it drops more
+    keys (no slot of a top-k lost: quiet), and a mask that keeps only the keys it dropped is turned round. The first
+    row turned round, by a loop over the scores: its kept keys are the 2 lowest."""
+    import torch
+
+    assert _smallest_dropped(False, False) == [] and _smallest_dropped(False, True) == []
+    [found] = _smallest_dropped(True, False)
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    row = [float((q[0, 0, 0] * k[0, 0, j]).sum()) for j in range(5)]
+    lowest = sorted(range(5), key=lambda j: row[j])[:2]  # (the loop's reading: query 0 keeps its 2 lowest keys)
+    assert f"query 0 keeps {len(lowest)} of 5 keys" in found.message
+    assert "batch row 0, head 0: query 0 keeps 2 of 5 keys, none of the 3 its scores' topk(2, largest=False) left" \
+        in found.message
+    assert [f.code for f in _smallest_dropped(True, True)] == ["topk-mask-not-topk"]

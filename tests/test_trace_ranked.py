@@ -31,11 +31,25 @@ def test_the_keys_a_topk_picks_over_masked_scores_reach_the_softmax():
     assert -1 in expected  # (query 0 has one open key: its second pick is a masked one)
 
 
-def test_a_topk_of_the_smallest_scores_or_of_another_tensor_is_not_noted():
+def test_a_topk_of_the_smallest_scores_is_noted_as_the_keys_dropped():
+    torch.manual_seed(1)
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     with Trace() as t:
         sim = q @ k.transpose(-1, -2)
-        sim.topk(2, dim=-1, largest=False)
+        dropped = sim.topk(2, dim=-1, largest=False).indices
+        sim.scatter(-1, dropped, float("-inf")).softmax(dim=-1)
+    [call] = t.calls
+    fact = call.details["topk"]
+    sim = q @ k.transpose(-1, -2)
+    everyone = torch.ones(4, dtype=torch.bool)
+    expected = [j for h in range(2) for i in range(4) for j in _best(-sim[0, h, i], 2, everyone)]
+    assert fact["smallest"] is True and fact["k"] == 2 and fact["picked"] == expected
+
+
+def test_a_topk_of_another_tensor_is_not_noted():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    with Trace() as t:
+        sim = q @ k.transpose(-1, -2)
         torch.randn(1, 2, 4, 4).topk(2, dim=-1)
         sim.softmax(dim=-1)
     [call] = t.calls

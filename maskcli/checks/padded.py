@@ -85,6 +85,21 @@ def _decoder_side(run: Run, call, top) -> bool:
     return call.shape[3] != samples or "decoder" in call.where.lower()
 
 
+def seen_through(cells: np.ndarray, keys: tuple, folds: list) -> np.ndarray | None:
+    """Bool (rows, L, L) under the first of `folds` (each call row's batch row): a real query that sees a padding key,
+    for `keys` (real, padding), bool (B, L) each, and the call's keep `cells` (rows or 1, H, L, L); None where some
+    reading of the fold sees none (the mask keeps to the padding under it)."""
+    rows, length = len(folds[0]), cells.shape[-1]
+    cells = np.broadcast_to(cells.any(axis=1), (rows, length, length))
+    first = None
+    for fold in folds:
+        bad = cells & keys[0][fold][:, :, None] & keys[1][fold][:, None, :]
+        if not bad.any():
+            return None
+        first = first if first is not None else bad
+    return first
+
+
 def _finding(call, top) -> Finding | None:
     stated = _stated(top)
     rows, length = call.shape[0], call.shape[3]
@@ -103,14 +118,9 @@ def _finding(call, top) -> Finding | None:
         folds = [np.arange(rows) // n, np.arange(rows) % size]
     else:
         return None
-    cells = np.broadcast_to(cells.any(axis=1), (rows, length, length))
-    first = None
-    for fold in folds:
-        real_k, pad_k = keys[0][fold], keys[1][fold]
-        bad = cells & real_k[:, :, None] & pad_k[:, None, :]
-        if not bad.any():
-            return None  # (a reading under which the mask keeps to the padding)
-        first = first if first is not None else bad
+    first = seen_through(cells, keys, folds)
+    if first is None:
+        return None
     b, q, k = first_cell(first)
     per = real.shape[1] // length
     row = int(folds[0][b])

@@ -10,6 +10,8 @@ moves no pick):
 - no key it keeps is one the top-k picked, and it keeps some: the top-k mask used the wrong way round, True on the
   keys below the k-th score taken as the keep-mask, so the k best keys are the ones dropped (the same commit:
   `sim < top_values[..., -1:]`).
+A topk of the smallest scores (largest=False) picks the keys the mask drops: read as keeping the others, turned round
+where it keeps only those; a later mask that drops more (TimeFilter's MoE region mask after its KNN) is no slot lost.
 A softmax that keeps keys both picked and not is no top-k mask (a topk taken for another use, ties at the k-th
 score): quiet, and so is a row that keeps every key it picked (the fix: `sim >= kth & sim > mask_value`).
 """
@@ -25,7 +27,8 @@ from maskcli.text import Finding
 
 def picks(call) -> tuple | None:
     """(kept, picked): bool (B, H, Lq, Lk) of the keys the call's softmax keeps and of those its topk picked (open
-    when ranked); None where the call states no top-k or its mask is not read."""
+    when ranked; for a topk of the smallest, the keys it did not pick); None where the call states no top-k or its mask
+    is not read."""
     fact = call.details.get("topk")
     cells = keep(call) if fact else None
     if cells is None:
@@ -43,6 +46,8 @@ def picks(call) -> tuple | None:
     picked = np.zeros(cells.shape, dtype=bool)
     b, h, q, j = np.nonzero(chosen >= 0)
     picked[b, h, q, chosen[b, h, q, j]] = True
+    if fact.get("smallest"):  # (a topk of the smallest picks the keys the mask drops: it keeps the others)
+        picked = ~picked
     return cells, picked
 
 
@@ -78,18 +83,23 @@ def _finding(call) -> Finding | None:
     cells, picked = picks(call)
     k, k_len = int(call.details["topk"]["k"]), call.shape[3]
     kept, chose = cells.sum(axis=-1), picked.sum(axis=-1)  # (B, H, Lq)
-    stated = dict(expected=f"each query keeps the {k} keys its scores' top-k picked (fewer only where fewer were open)",
-                  source=f"the program's own topk({k}) over the scores, along the keys")
+    smallest = bool(call.details["topk"].get("smallest"))
+    ranking, picking = (f"topk({k}, largest=False)", "left") if smallest else (f"topk({k})", "picked")
+    keeps = "only keys its scores' top-k left" if smallest else f"the {k} keys its scores' top-k picked"
+    stated = dict(expected=f"each query keeps {keeps} (fewer only where fewer were open)",
+                  source=f"the program's own {ranking} over the scores, along the keys")
     if how == "turned":
         b, h, q = (int(x) for x in np.argwhere(kept > 0)[0])
         return Finding("topk-mask-not-topk", (
             f"batch row {b}, head {h}: query {q} keeps {int(kept[b, h, q])} of {k_len} keys, none of the "
-            f"{int(chose[b, h, q])} its scores' topk({k}) picked, and no query keeps one ({int((kept > 0).sum())} "
-            f"query rows): the top-k mask used the wrong way round (True on the keys below the k-th score, taken as "
-            f"the keep-mask: the best keys dropped)"),
+            f"{int(chose[b, h, q])} its scores' {ranking} {picking}, and no query keeps one ({int((kept > 0).sum())} "
+            f"query rows): the top-k mask used the wrong way round (True on the keys "
+            f"{'the ranking dropped' if smallest else 'below the k-th score'}, taken as the keep-mask: the best keys "
+            f"dropped)"),
             **stated)
     short = kept < chose
-    if not short.any():
+    if not short.any() or smallest:  # (the keys dropped by a topk of the smallest: a
+        # later mask may drop more, none it picked takes a slot)
         return None
     b, h, q = (int(x) for x in np.argwhere(short)[0])
     return Finding("topk-mask-not-topk", (

@@ -26,7 +26,7 @@ import maskcli.trace.askedcausal as askedcausal
 import maskcli.trace.padfill as padfill
 import maskcli.trace.namedmasks as namedmasks
 import maskcli.trace.offgrid as offgrid
-import maskcli.trace.poolspan as poolspan
+import maskcli.trace.poolspan as poolspan, maskcli.trace.padend as padend  # (the last: samples beside a held mask)
 import maskcli.trace.convpad as convpad
 from maskcli.trace.masks import Call, Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced, said as _said
@@ -350,8 +350,8 @@ class Trace(Outer, Follow):
             guarded(queried.note, seen.details, self.sites.stack, seen.api, seen.shape)  # (the layer's queries, heads)
             guarded(calledflag.note, seen.details, self.sites.stack, self.sites.walked, seen.shape)  # (a helper's causal=)
             guarded(askedcausal.note, seen.details, self.sites.stack, self.sites.walked)  # (mask="subsequent" per call)
-            for note in (padfill.note, namedmasks.note, offgrid.note, poolspan.note):  # (padding flags holding the fill;
-                guarded(note, seen.details, self.sites.walked)  # `x_mask`s; rope positions off grid; pooled queries)
+            for note in (padfill.note, namedmasks.note, offgrid.note, poolspan.note, padend.note):  # (padding flags
+                guarded(note, seen.details, self.sites.walked)  # with a fill; `x_mask`s; rope positions; pooled queries)
             chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
             if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
                 seen.details["held_chunks"] = chunks

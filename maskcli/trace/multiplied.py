@@ -3,7 +3,8 @@
 A keep mask multiplied into the scores (`dots *= mask`, `(a + b) * batch_mask`) sets the cells it leaves out to a
 logit of 0, not -inf: the softmax still weighs them exp(0) against the kept ones (berniwal/swin-transformer-pytorch
 ae5ae7b, graphormer-pyg f56d6487). While the scores are followed (trace/scores.py), a product of scores (or of a view of
-them, written in place) with a tensor of only 0s and 1s, some of each, that broadcasts to them marks the cells it
+them, written in place) with a tensor of only 0s and 1s, some of each (a KNN mask scattered into `zeros_like(scores)` is
+followed as scores too: its values say it is a mask; TimeFilter#13), that broadcasts to them marks the cells it
 zeroed on the scores' base tensor; an out-of-place step that keeps the shape (a scaling, a fill) carries the marks.
 At a softmax over marked scores, "multiplied" says how many marked cells it still weighs (not filled low since: a
 `masked_fill(mask == 0, -inf)` or a `(1 - mask) * -1e9` after the product masks them) in rows that weigh unmarked
@@ -69,9 +70,16 @@ class Products:
         if not isinstance(out, torch.Tensor) or out.numel() > MOST:
             return
         if func in MULS and len(args) >= 2:
-            scores = next((a for a in args[:2] if isinstance(a, torch.Tensor) and has(a)), None)
-            other = next((a for a in args[:2] if a is not scores), None)
-            zeros = _zero_one(other) if scores is not None and not has(other) else None
+            for scores, other in ((args[0], args[1]), (args[1], args[0])):
+                # (a 0/1 mask made from the scores, `zeros_like(scores).scatter(-1, topk, 1)`, is followed as scores
+                # too: its values, not its making, say it is a mask)
+                if not (isinstance(scores, torch.Tensor) and has(scores)) or other is scores:
+                    continue
+                zeros = _zero_one(other)
+                if zeros is not None:
+                    break
+            else:
+                zeros = None
             if zeros is not None:
                 try:
                     zeros = zeros.broadcast_to(out.shape)

@@ -7,7 +7,9 @@ those not open when ranked (cells already masked: -inf, the dtype's lowest, a fi
 them). The next softmax over scores of that shape carries them as details["topk"] = {"k", "picked"} (checks/topk.py
 reads whether its mask is that top-k, kept or turned round: such a mask differs by head and by row on purpose, and
 checks/heads.py and fewseen.py leave it alone).
-A topk of the smallest scores (largest=False), or of k that keeps every key, states no sparse mask: not noted.
+A topk of the smallest scores (largest=False: a KNN graph filter's `topk(adj, k, largest=False)` scattered to 0, the
+keys it drops) is noted too, "smallest": the keys it picked are those the mask drops. A topk of k that keeps every key
+states no sparse mask: not noted.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Ranked:
         k = args[1] if len(args) > 1 else kwargs.get("k")
         dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
         largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
-        if not isinstance(x, torch.Tensor) or not has(x) or x.dim() < 2 or not isinstance(k, int) or not largest:
+        if not isinstance(x, torch.Tensor) or not has(x) or x.dim() < 2 or not isinstance(k, int):
             return
         if dim not in (-1, x.dim() - 1) or not 0 < k < x.shape[-1] or not x.is_floating_point() \
                 or x.numel() // x.shape[-1] * k > MOST_PICKS or not isinstance(out, tuple) or len(out) != 2:
@@ -42,14 +44,19 @@ class Ranked:
             scores, picked = x.detach(), out[1].detach()
             lowest = torch.finfo(scores.dtype).min
             hidden = (scores == float("-inf")) | (scores == lowest) | finite_fill(scores, lowest, {})
-            self.pending = (tuple(scores.shape), int(k), picked.masked_fill(hidden.gather(-1, picked), -1))
+            if largest:  # (a key already hidden is no pick; the smallest picks are the keys dropped, hidden ones too)
+                picked = picked.masked_fill(hidden.gather(-1, picked), -1)
+            self.pending = (tuple(scores.shape), int(k), picked, not largest)
 
     def of(self, x, call, seen) -> None:
         """At softmax `call` over scores `x`: details["topk"] where the topk just noted ranked scores of its shape."""
         pending, self.pending = self.pending, None
         if pending is None or not isinstance(x, torch.Tensor) or tuple(x.shape) != pending[0]:
             return
-        _, k, picked = pending
+        _, k, picked, smallest = pending
         if picked.numel() != seen.shape[0] * seen.shape[1] * seen.shape[2] * k:
             return
-        call.details["topk"] = seen.details["topk"] = {"k": k, "picked": picked.reshape(-1).tolist()}  # ((B, H, Lq, k))
+        fact = {"k": k, "picked": picked.reshape(-1).tolist()}  # ((B, H, Lq, k))
+        if smallest:
+            fact["smallest"] = True
+        call.details["topk"] = seen.details["topk"] = fact
