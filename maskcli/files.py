@@ -10,7 +10,7 @@ from pathlib import Path
 from maskcli.errors import MaskError
 
 FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
-TENSOR_SUFFIXES = (".pt", ".npy")
+TENSOR_SUFFIXES = (".pt", ".npy", ".pth")  # (.pth: torch.save's file, as .pt; read as one too)
 
 
 def state(path: Path) -> str:
@@ -173,9 +173,9 @@ def check_disk(path: Path, size: int, flag: str) -> None:
 
 
 def write_array(array, path: Path) -> None:
-    """A numpy array or torch tensor as .pt, .npy or .json (by suffix), written whole or not at all."""
+    """A numpy array or torch tensor as .pt (or .pth), .npy or .json (by suffix), written whole or not at all."""
     suffix = path.suffix.lower()
-    if suffix == ".pt":
+    if suffix in (".pt", ".pth"):
         import torch
 
         tensor = torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array

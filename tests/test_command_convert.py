@@ -218,6 +218,14 @@ def test_refusals(tmp_path, monkeypatch):
     assert set(tmp_path.iterdir()) == before and not (tmp_path / "exploited").exists()
 
 
+def test_out_pth_is_written_by_torch_save(tmp_path):
+    """hunt 10: `--out o.pth` was refused ("unknown extension '.pth'"), though .pth is read as a .pt file."""
+    torch.save(CAUSAL, tmp_path / "in.pt")
+    result = runner.invoke(app, ["convert", str(tmp_path / "in.pt"), "--to", "block", "--out", str(tmp_path / "o.pth")])
+    assert result.exit_code == 0, result.output
+    assert torch.equal(torch.load(tmp_path / "o.pth", weights_only=True), ~CAUSAL.bool())
+
+
 def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
     torch.save(CAUSAL, tmp_path / "in.pt")
     real_save = torch.save

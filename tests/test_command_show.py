@@ -422,6 +422,13 @@ def test_save_pt_and_npy_round_trip_in_the_as_convention(tmp_path, convention, d
     assert loaded[:, 0].tolist() == want
 
 
+def test_save_pth_is_torch_saves_file_as_pt_is(tmp_path):
+    """hunt 10: `--save m.pth` was refused ("unknown extension '.pth'") though .pth is read as torch.save's file."""
+    result = ok(["show", "causal", "--len", "4", "--save", tmp_path / "m.pth"])
+    assert f"wrote {tmp_path / 'm.pth'} (keep convention)" in result.stderr
+    assert torch.equal(torch.load(tmp_path / "m.pth", weights_only=True)[0, 0], torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
 def test_additive_save_is_what_nn_transformer_builds(tmp_path):
     ok(["show", "causal", "--len", "4", "--as", "additive", "--save", tmp_path / "m.pt"])
     assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)[0, 0], torch.nn.Transformer.generate_square_subsequent_mask(4))

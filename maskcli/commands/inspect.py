@@ -20,11 +20,11 @@ FILE_HELP = (
     "The mask tensor: .pt (loaded with weights_only=True, so no code in it runs), .npy, .npz, .safetensors, "
     ".json, or inline JSON like '[[1,0],[1,1]]'."
 )
-OUT_SUFFIXES = (".pt", ".npy", ".json")
+OUT_SUFFIXES = (".pt", ".npy", ".json", ".pth")
 
 File = Annotated[str, typer.Argument(help=FILE_HELP, show_default=False)]
 To = Annotated[str, typer.Option("--to", help="Target convention: " + "; ".join(f"{k} = {v}" for k, v in CONVENTIONS.items()) + ".", show_default=False)]
-Out = Annotated[str, typer.Option("--out", metavar="FILE", help="Output file; .pt, .npy or .json by extension. Written whole or not at all.", show_default=False)]
+Out = Annotated[str, typer.Option("--out", metavar="FILE", help="Output file; .pt (or .pth), .npy or .json by extension. Written whole or not at all.", show_default=False)]
 ConvertDtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of an additive or min result: {', '.join(DTYPES)} (default float32).", show_default=False)]
 From = Annotated[str | None, typer.Option(
     "--from", help="Say which way round a bool (or 0/1) input is, where its structure does not tell: keep (True = attend) or block (True = masked).",
