@@ -95,7 +95,8 @@ def test_flags_take_inline_values_or_a_file(tmp_path):
 @pytest.mark.parametrize(
     ("name", "content", "says"),
     [
-        ("l.json", "[0.5, 1]", "labels must be integers"),
+        ("l.json", "[0.5, 1]", "labels must be whole numbers, one per position; got float64 values such as 0.5: save integer"),
+        ("l.json", "[1, NaN]", "got float64 values such as nan: save integer labels"),
         ("l.json", "{", "cannot read labels"),
         ("l.json", "[[[1]]]", "got shape [1, 1, 1]"),
         ("l.txt", "0 a 1", "'a' is not an integer"),

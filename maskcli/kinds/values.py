@@ -249,6 +249,10 @@ def checked(array: np.ndarray, where: str) -> np.ndarray:
     if array.dtype.kind not in "iu":
         if array.dtype.kind == "f" and np.all(np.isfinite(array)) and np.all(array == np.round(array)):
             array = array.astype(np.int64)
+        elif array.dtype.kind == "f":  # (quote the first value that is no whole number: the fix is in the file)
+            bad = array.flat[int(np.argmax(~np.isfinite(array) | (array != np.round(array))))]
+            raise MaskError(f"{where}: labels must be whole numbers, one per position; got {array.dtype} values such as "
+                            f"{bad}: save integer labels (or token ids)")
         else:
             raise MaskError(f"{where}: labels must be integers, got {array.dtype}")
     if array.dtype.kind == "u" and array.max() > INT64_LIMIT:  # uint64 past int64 would wrap to negative labels
