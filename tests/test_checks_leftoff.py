@@ -31,8 +31,8 @@ def first_padded_key(real: list[list[int]], q_len: int, k_len: int, start: int) 
 def test_simpletuner_true_cfg_unconditional_call_without_the_negative_mask(tmp_path):
     """bghira/SimpleTuner 295decc9b (written blind, batch blind-eu): Flux's true-CFG loop hands the conditional call
     `attention_mask=prompt_mask` and the unconditional one none, while `__call__` holds `negative_mask` (2 real tokens
-    of 12). Both versions keep the project's FluxAttnProcessor2_0, which casts the mask to float 0/1 before SDPA adds it:
-    ones-added says so on both, true of that processor, and it is the fix's only wrong finding."""
+    of 12). Both versions keep the project's FluxAttnProcessor2_0, which casts the mask to float 0/1 before SDPA adds
+    it: ones-added says so on both, true of that processor, and it is the fix's only wrong finding."""
     name = "simpletuner_flux_pipeline_true_cfg_uncond_pass_drops_negative_mask"
     status, found, report = traced(tmp_path, name, False)
     [hit] = [f for f in found if f["code"] == "prompt-mask-left-off"]

@@ -12,7 +12,7 @@ unconditional call handed no attention_mask while the pipeline held `negative_ma
 
 Quiet where every call of the module was handed its mask, where the held mask is one some call was handed (a
 reference run beside it), where the caller holds two different unhanded masks (which is the call's is not stated),
-where no call of the module was handed a mask of that shape, and where some attention call of the call hides the padding.
+where no call of the module was handed a mask of that shape, and where an attention call of the call hides the padding.
 """
 
 from __future__ import annotations
@@ -45,19 +45,22 @@ def prompt_mask_left_off(run: Run) -> list:
         if len(left) != 1:
             continue
         name, where, real = left[0]
-        calls = [c for c in (*run.calls, *run.cross, *run.unmasked) if top.first <= c.index < top.end and run.top(c) is top]
-        seen = [_seen(call, real) for call in sorted(calls, key=lambda c: c.index)]
-        if not seen or any(s is None or not s.any() for s in seen):
+        calls = [c for c in (*run.calls, *run.cross, *run.unmasked)
+                 if top.first <= c.index < top.end and run.top(c) is top]
+        seen = [(call, _seen(call, real)) for call in sorted(calls, key=lambda c: c.index)]
+        seen = [(call, cells) for call, cells in seen if cells is not None]  # (keys too few for the prompt: another
+        # attention of the model, an image-only one)
+        if not seen or any(not cells.any() for _, cells in seen):
             continue
-        call, cells = calls[0], seen[0]
+        call, cells = seen[0]
         b, q, k = first_cell(cells)
         pads = [int(real.shape[1] - r) for r in real.sum(axis=1)]
         found.append((call, Finding("prompt-mask-left-off", (
             f"{top.where} was handed its prompt ({real.shape[0]} x {real.shape[1]} tokens) and no {held[0]}, where "
             f"the same function's other calls of it were handed one of that shape; {where} holds `{name}`, a mask of "
             f"that shape none of them was handed, which calls {pads} of its tokens padding a row: query {q} of batch "
-            f"row {b} sees padded prompt key {k}, and none of the call's {len(calls)} attention calls hides that "
-            f"padding"),
+            f"row {b} sees padded prompt key {k}, and none of the call's {len(seen)} attention calls over it hides "
+            f"that padding"),
             expected=f"`{name}` handed to the call as {held[0]}", source=f"{name} in {where}", cell=(b, q, k))))
     return found
 

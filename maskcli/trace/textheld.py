@@ -22,7 +22,8 @@ from maskcli.trace.tops import MOST, _given
 
 TEXT = re.compile(r"^(?:encoder_hidden_states|encoder_states|context|txt|text|text_states|text_embeds|prompt_embeds"
                   r"|caption_feats|cap_feats)$")  # the prompt's hidden states, (B, T, D)
-MASK = re.compile(r"^(?:encoder_)?attention_mask$|^(?:txt|text|prompt|context|caption|encoder)_(?:attention_|attn_)?mask$")
+MASK = re.compile(r"^(?:encoder_)?attention_mask$"
+                  r"|^(?:txt|text|prompt|context|caption|encoder)_(?:attention_|attn_)?mask$")  # the prompt's mask
 FRAMES = 2  # the caller and theirs: the pipeline step that made the call
 HELD = 4  # held masks kept at most
 
