@@ -81,3 +81,30 @@ def test_quiet_where_no_sibling_masks_where_the_mask_was_handed_or_where_the_pad
         for k in range(4):
             hidden[b, :, :, 3 + k] = bool(held[b, k])
     assert prompt_mask_left_off(run_of(hidden, held, [other])) == []
+
+
+def test_textheld_reads_the_mask_handed_and_the_padded_masks_the_caller_holds():
+    """trace/textheld.py on a module taking `encoder_hidden_states` and `attention_mask`: the mask handed (float 0/1
+    read as ints); with none handed, the caller's (B, T) 0/1 variables with padding (not an all-ones one, not one of
+    another shape, not one with an empty row)."""
+    import sys
+
+    import torch
+
+    from maskcli.trace.textheld import text_held
+
+    class Model(torch.nn.Module):
+        def forward(self, x, encoder_hidden_states=None, attention_mask=None):
+            return x
+
+    model, states = Model(), torch.zeros(2, 4, 3)
+    null_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0]])
+    ones, other, empty = torch.ones(2, 4), torch.tensor([[1, 0], [1, 1]]), torch.tensor([[0, 0, 0, 0], [1, 0, 0, 0]])
+    assert (ones, other, empty) is not None  # (held by this frame, read as the caller's variables)
+    caller = sys._getframe()
+    handed = text_held(model, (states,), {"encoder_hidden_states": states, "attention_mask": null_mask.float()}, caller)
+    assert handed["text_mask"][0] == "attention_mask" and handed["text_mask"][1].tolist() == null_mask.tolist()
+    name, shape, held, by = text_held(model, (states,), {"encoder_hidden_states": states}, caller)["text_held"]
+    assert (name, shape) == ("attention_mask", (2, 4)) and [h[0] for h in held] == ["null_mask"]
+    assert held[0][2].tolist() == null_mask.tolist() and by.startswith("test_textheld_reads")
+    assert text_held(model, (states,), {}, caller) == {}  # (no prompt handed)
