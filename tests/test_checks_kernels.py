@@ -37,6 +37,9 @@ BUGS = [
     # written blind (batch blind-dx): baudm/parseq 056c792: ABINet's _get_location_mask fills the float eye with True
     # (+1.0) where -inf was meant, the BCN cross-attention's memory_mask (a cross-attention call)
     ("parseq_abinet_bcn_location_mask_plus_one_not_neg_inf", "ones-added"),
+    # written blind (batch blind-eu): kohya-ss/sd-scripts 2b07a92c: Flux's DoubleStreamBlock joins the int T5 mask
+    # with float ones for the image tokens, so SDPA adds a float 0/1 mask and the padded text stays attended
+    ("sd_scripts_flux_double_block_t5_mask_float_added_as_bias", "ones-added"),
 ]
 
 
@@ -224,3 +227,19 @@ def test_float_hide_mask_filled_true_added_by_sdpa(tmp_path):
                                                                 attn_mask=torch.zeros(4, 4).masked_fill(hide, fill))
                for fill in (True, float("-inf"))]
     assert weights[0][0, 0][hide].min() > 0 and weights[1][0, 0][hide].max() == 0
+
+
+def test_int_text_mask_joined_with_float_image_ones_added_to_eager_scores(tmp_path):
+    """Written another way (tests/data/mhafloat; sd-scripts 2b07a92c's joint mask): an MM-DiT block with the image
+    first, a left-padded prompt's int attention_mask joined after float ones and added to einsum scores by the program
+    itself; the fix's (1 - mask) * finfo.min is quiet. Against softmax itself: a padded prompt key keeps weight under
+    the 0/1 sum, none under the fix's."""
+    [hit] = check_bug(tmp_path, "joint_dit_eager_int_text_mask_joined_float_added", "ones-added",
+                      Path(__file__).parent / "data" / "mhafloat")
+    assert "added to these scores" in hit["message"]
+    import torch
+
+    scores = torch.randn(2, 5)
+    joint = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0])  # (two image tokens, a prompt left-padded by two)
+    assert torch.softmax(scores + joint, -1)[:, 2:4].min() > 0
+    assert torch.softmax(scores + (1 - joint) * torch.finfo(torch.float32).min, -1)[:, 2:4].max() == 0
