@@ -59,13 +59,18 @@ def _placed(calls: list, positions: np.ndarray) -> list:
     return []
 
 
-def _seen(call) -> tuple[np.ndarray, np.ndarray] | None:
-    """(bool (B, Lq, Lk) keys each query sees, bool (B, Lq) queries that see their own column and none to its right)."""
+def _seen(call, top) -> tuple[np.ndarray, np.ndarray] | None:
+    """(bool (B, Lq, Lk) keys each query sees, bool (B, Lq) queries that see their own column and none to its right);
+    keys the model call's 0/1 attention_mask marks as padding are not counted (a mask that lets them be seen is
+    arguments.py's padding-ignored)."""
     cells = keep(call)
     if cells is None:
         return None
     batch, _, q_len, k_len = call.shape
     seen = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
+    real = top.arguments.get("attention_mask")
+    if isinstance(real, np.ndarray) and real.shape == (batch, k_len) and np.isin(real, (0, 1)).all():
+        seen = seen & real.astype(bool)[:, None, :]
     own = k_len - q_len + np.arange(q_len)
     if own[0] < 0:
         return None
@@ -106,7 +111,7 @@ def check(run: Run) -> list:
             sites.setdefault(call.where, []).append(call)
         for where, calls in sites.items():
             for call, rows, placed_at in _placed(calls, positions):
-                read = _seen(call)
+                read = _seen(call, top)
                 if read is None:
                     continue
                 seen, placed = read
