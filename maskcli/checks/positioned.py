@@ -7,7 +7,8 @@ its right; where those hold, three statements must agree:
 
 - one call: a query that sees every key an earlier query of its row sees, and n more, sits n positions after it (a
   causal row one after the other; a draft tree's node one after its parent, at the root's position plus its depth,
-  whatever its index in the flattened tree: mlxcel#1214 placed node i at offset + i);
+  whatever its index in the flattened tree: mlxcel#1214 placed node i at offset + i); a position that goes back
+  starts another packed document, which the documents rules read (arguments.py's documents-leak);
 - step to step: where a row's first query sees one key more than the row's last query of the call site's previous
   step (its cache grew by that token, nothing evicted), its position is one more (sglang#25015 advanced the draft
   positions before the forward: step 0 at L + 1 over L + 1 keys);
@@ -89,8 +90,9 @@ def _within(seen, placed, positions) -> tuple | None:
     rows = np.arange(batch)[:, None]
     earlier = np.maximum(nearest, 0)
     counts = seen.sum(axis=2)
+    moved = positions - positions[rows, earlier]  # (one that goes back restarts a packed document: documents-leak's)
     bad = placed & (nearest >= 0) & placed[rows, earlier] & ~(seen[rows, earlier] & ~seen).any(axis=2) \
-        & (counts - counts[rows, earlier] != positions - positions[rows, earlier])
+        & (moved > 0) & (counts - counts[rows, earlier] != moved)
     if not bad.any():
         return None
     b, j = (int(x) for x in np.argwhere(bad)[0])
