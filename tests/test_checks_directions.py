@@ -104,6 +104,27 @@ def test_pytorch_translate_decoder_never_passes_self_attn_mask(tmp_path):
     assert tuple(hit["cell"]) == first((8, 7, 7), lambda b, q, k: k > q)  # the targets are unpadded
 
 
+def test_pytorch_translate_decoder_without_self_attn_mask_written_blind_again(tmp_path):
+    """pytorch/translate#230 (commit 398657f; written blind again, batch blind-ew, caught before any rule was changed
+    for it): TransformerDecoder.forward calls each fairseq layer without self_attn_mask, so the full-sequence pass's
+    targets see later targets; the program's buffered_future_mask names the causal mask it never passed."""
+    hit = check_bug(tmp_path, "pytorch_translate_transformer_decoder_training_no_future_mask",
+                    "decoder-mask-not-causal")[0]
+    assert "buffered_future_mask()" in hit["source"]
+    assert "query 0" in hit["message"] and "later key 1" in hit["message"]
+
+
+def test_annotated_decoder_subsequent_mask_built_never_combined(tmp_path):
+    """pytorch/translate#230's slip written as The Annotated Transformer writes a decoder: a module-level
+    subsequent_mask beside it, the target mask the padding alone (right-padded targets), attention by hand; the first
+    cell against a double loop over later real keys of real queries (row 0: 4 real targets)."""
+    hit = check_bug(tmp_path, "annotated_decoder_subsequent_mask_built_never_combined", "decoder-mask-not-causal",
+                    DIRECTIONS)[0]
+    assert "subsequent_mask()" in hit["source"]
+    real = [4, 6]
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q and q < real[b] and k < real[b])
+
+
 def test_a_decoder_wrapping_torchs_layers_never_hands_them_its_subsequent_mask(tmp_path):
     """Written another way: the program's own Seq2SeqDecoder around torch's nn.TransformerDecoder holds
     generate_square_subsequent_mask as a static method and hands the layers tgt_mask=None with the targets' key padding

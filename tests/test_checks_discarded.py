@@ -20,6 +20,21 @@ def test_mead_baseline_bahdanau_energies_fill_discarded(tmp_path):
     check_bug(tmp_path, "mead_baseline_bahdanau_attention_masked_fill_discarded", "fill-discarded")
 
 
+def test_mead_baseline_bahdanau_fill_result_dropped_written_blind(tmp_path):
+    """mead-baseline#223 (commit da1e8c2; written blind again, batch blind-ew, caught before any rule was changed for
+    it): `a.masked_fill(keys_mask == 0, -1e9)` out of place, its result dropped: batch row 1's query 0 sees padded
+    source key 5 in batched decoding."""
+    hit = check_bug(tmp_path, "mead_baseline_bahdanau_attention_masked_fill_result_discarded", "fill-discarded")[0]
+    assert "batch row 1: query 0 sees key 5" in hit["message"]
+
+
+def test_luong_bmm_attention_fill_result_dropped_left_padded(tmp_path):
+    """mead-baseline#223's slip written as a Luong attention over a teacher-forced target at once (bmm scores
+    (B, T, S), a -inf fill as a statement), left-padded sources: the first padded key of batch row 0 (3 pads)."""
+    found = check_bug(tmp_path, "luong_bmm_attention_masked_fill_result_dropped", "fill-discarded", DISCARDED)
+    assert tuple(found[0]["cell"]) == first((2, 4, 6), lambda b, q, k: b == 0 and k < 3)
+
+
 def test_parlai_polyencoder_codes_attention_fill_noop(tmp_path):
     """ParlAI#3068: `l1.masked_fill(attn_mask, neginf)` dropped: the codes attend the context's padding."""
     check_bug(tmp_path, "parlai_polyencoder_codes_attention_masked_fill_noop", "fill-discarded")

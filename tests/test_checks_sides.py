@@ -19,6 +19,24 @@ def test_seq2seq_pad_mask_uses_src_pad_idx_for_target(tmp_path):
     check_bug(tmp_path, "seq2seq_pad_mask_uses_src_pad_idx_for_target", "real-query-blind")
 
 
+def test_hyunwoongko_make_pad_mask_src_pad_idx_for_target_written_blind(tmp_path):
+    """hyunwoongko/transformer#14 (commit 67ccbb0; written blind, batch blind-ew, caught before any rule was changed
+    for it): make_pad_mask compared both sides with src_pad_idx, so a target token equal to it (trg_pad_idx != it) sees
+    nothing: batch row 0's query 3, a real target token by `trg` at trg_pad_idx."""
+    hit = check_bug(tmp_path, "hyunwoongko_transformer_make_pad_mask_uses_src_pad_idx_for_target", "real-query-blind")[0]
+    assert "batch row 0: query 3 sees no key" in hit["message"] and "trg_pad_idx" in hit["message"]
+
+
+def test_target_pad_bias_built_with_the_source_pad_id(tmp_path):
+    """hyunwoongko/transformer#14's slip written another way: one pad-bias helper for both axes, an additive bias to
+    SDPA, the target's built with src_pad_id (1) where the target's <unk> (id 1) is real; left-padded sources,
+    right-padded targets: row 0's query 2, the target token at 1, sees nothing."""
+    hit = check_bug(tmp_path, "nmt_target_self_attention_pad_mask_from_source_pad_id", "real-query-blind", ARGS)[0]
+    tgt = [[2, 13, 1, 14, 3, 0], [2, 15, 16, 17, 18, 3]]
+    blind = [(b, q) for b, row in enumerate(tgt) for q, token in enumerate(row) if token == 1]
+    assert f"batch row {blind[0][0]}: query {blind[0][1]} sees no key" in hit["message"]
+
+
 def test_pad_test_with_the_bos_id(tmp_path):
     """Written another way: one pad id (a config dataclass's pad_token_id), left padding, SDPA, the padding tested with
     the BOS id; the row reported is the first real query a double loop finds with no key."""

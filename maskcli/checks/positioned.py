@@ -1,0 +1,171 @@
+"""The positions a model call hands its rotary embedding against the keys each query sees (speculative decoding's bugs).
+
+A model call that states its tokens' positions (`position_ids`, or a hand-written model's `positions` / `pos`) states
+how many tokens precede each query in its sequence; its causal self-attention states which keys each query sees. A
+query sits at its own key column (the last `Lq` columns: the cache's keys, then the call's own) and sees nothing to
+its right; where those hold, three statements must agree:
+
+- one call: a query that sees every key an earlier query of its row sees, and n more, sits n positions after it (a
+  causal row one after the other; a draft tree's node one after its parent, at the root's position plus its depth,
+  whatever its index in the flattened tree: mlxcel#1214 placed node i at offset + i); a position that goes back
+  starts another packed document, which the documents rules read (arguments.py's documents-leak);
+- step to step: where a row's first query sees one key more than the row's last query of the call site's previous
+  step (its cache grew by that token, nothing evicted), its position is one more (sglang#25015 advanced the draft
+  positions before the forward: step 0 at L + 1 over L + 1 keys);
+- a call site whose every query so far has seen exactly position + 1 keys: a later query that sees more keys than
+  that holds keys of tokens that are not before it (mlc-llm#2939 never rolled the draft model's cache back after
+  chain drafting, so the rejected drafts stayed in it).
+
+Rows are the call's batch rows; a site called once per request in one model call (batch 1 each, their queries as
+many as the positions, sglang's per-request loop) has the requests for rows. Left alone: a query that sees no key,
+its own not or one to its right (padding, a bidirectional span), calls whose queries are not as many as the
+positions, multimodal rope's (C, B, L) positions, cross-attention.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, keep
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+NAMES = ("position_ids", "positions", "pos")
+
+
+def _positions(top) -> tuple[str, np.ndarray] | None:
+    """(its name, int64 (rows, T)) of the positions a model call states; None where it states none."""
+    for name in NAMES:
+        given = top.arguments.get(name)
+        if isinstance(given, np.ndarray) and given.ndim in (1, 2) and given.size and given.dtype.kind in "iu":
+            return name, given.reshape(-1, given.shape[-1]).astype(np.int64)
+    return None
+
+
+def _placed(calls: list, positions: np.ndarray) -> list:
+    """(call, row ids (B,), positions (B, Lq)) of each call of one site in one model call; [] where they do not match."""
+    rows, length = positions.shape
+    lens = [call.shape[2] for call in calls]
+    if all(q == length for q in lens):
+        found = []
+        for call in calls:
+            batch = call.shape[0]
+            if rows not in (1, batch):
+                return []
+            found.append((call, np.arange(batch), np.broadcast_to(positions, (batch, length))))
+        return found
+    if rows == 1 and len(calls) > 1 and sum(lens) == length and all(call.shape[0] == 1 for call in calls):
+        starts = np.cumsum([0] + lens)  # one call per request, their tokens one after the other (a ragged batch)
+        return [(call, np.array([i]), positions[:, starts[i]:starts[i + 1]]) for i, call in enumerate(calls)]
+    return []
+
+
+def _seen(call, top) -> tuple[np.ndarray, np.ndarray] | None:
+    """(bool (B, Lq, Lk) keys each query sees, bool (B, Lq) queries that see their own column and none to its right);
+    keys the model call's 0/1 attention_mask marks as padding are not counted (a mask that lets them be seen is
+    arguments.py's padding-ignored)."""
+    cells = keep(call)
+    if cells is None:
+        return None
+    batch, _, q_len, k_len = call.shape
+    seen = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
+    real = top.arguments.get("attention_mask")
+    if isinstance(real, np.ndarray) and real.shape == (batch, k_len) and np.isin(real, (0, 1)).all():
+        seen = seen & real.astype(bool)[:, None, :]
+    own = k_len - q_len + np.arange(q_len)
+    if own[0] < 0:
+        return None
+    right = np.arange(k_len)[None, :] > own[:, None]
+    placed = seen[:, np.arange(q_len), own] & ~(seen & right[None]).any(axis=2)
+    return seen, placed
+
+
+def _within(seen, placed, positions) -> tuple | None:
+    """(row, query, earlier query, keys more, positions more) of the first query that extends an earlier one's keys by
+    a number its position does not."""
+    batch, q_len, k_len = seen.shape
+    own = k_len - q_len + np.arange(q_len)
+    span = seen[:, :, own] & np.tri(q_len, k=-1, dtype=bool)[None]  # (B, Lq, Lq): earlier queries' keys it sees
+    nearest = np.where(span, np.arange(q_len)[None, None], -1).max(axis=2)  # (B, Lq): the last of them, -1 if none
+    rows = np.arange(batch)[:, None]
+    earlier = np.maximum(nearest, 0)
+    counts = seen.sum(axis=2)
+    moved = positions - positions[rows, earlier]  # (one that goes back restarts a packed document: documents-leak's)
+    bad = placed & (nearest >= 0) & placed[rows, earlier] & ~(seen[rows, earlier] & ~seen).any(axis=2) \
+        & (moved > 0) & (counts - counts[rows, earlier] != moved)
+    if not bad.any():
+        return None
+    b, j = (int(x) for x in np.argwhere(bad)[0])
+    i = int(nearest[b, j])
+    return b, j, i, int(counts[b, j] - counts[b, i]), int(positions[b, j] - positions[b, i])
+
+
+def check(run: Run) -> list:
+    """Each self-attention call of a model call that states positions, against the keys its queries see."""
+    found, last, counted, done = [], {}, {}, set()
+    for top in run.tops:
+        stated = _positions(top)
+        if stated is None:
+            continue
+        name, positions = stated
+        sites: dict = {}
+        for call in run.made_by(top):
+            sites.setdefault(call.where, []).append(call)
+        for where, calls in sites.items():
+            for call, rows, placed_at in _placed(calls, positions):
+                read = _seen(call, top)
+                if read is None:
+                    continue
+                seen, placed = read
+                counts = seen.sum(axis=2)
+                source = f"{name} of {top.where}"
+                if where not in done:
+                    hit = _within(seen, placed, placed_at)
+                    if hit is not None:
+                        b, j, i, more, moved = hit
+                        done.add(where)
+                        found.append((call, Finding("positions-vs-keys", (
+                            f"batch row {b}: query {j} sees the keys query {i} sees and {more} more, yet its position "
+                            f"is {moved} after it ({int(placed_at[b, i])} -> {int(placed_at[b, j])}): a token's "
+                            f"position counts the tokens before it (a draft tree's node sits at its depth, not its "
+                            f"index)"), expected=f"position {int(placed_at[b, i]) + more}", source=source,
+                            cell=None)))
+                        continue
+                good = placed & (placed_at + 1 == counts)
+                for b, row in enumerate(rows.tolist()):
+                    if where in done or not placed[b].any():
+                        continue
+                    first, end = int(np.argmax(placed[b])), int(np.flatnonzero(placed[b])[-1])
+                    before = last.get((where, row))
+                    p, n = int(placed_at[b, first]), int(counts[b, first])
+                    ahead = placed[b] & (placed_at[b] + 1 < counts[b])
+                    if counted.get(where) and ahead.any():
+                        q = int(np.argmax(ahead))
+                        done.add(where)
+                        found.append((call, Finding("positions-vs-keys", (
+                            f"batch row {b}: query {q} at position {int(placed_at[b, q])} sees {int(counts[b, q])} "
+                            f"keys, more than the {int(placed_at[b, q]) + 1} tokens up to it, where every earlier "
+                            "query of this site saw exactly its position's: keys of tokens no longer in the sequence "
+                            "stay in the cache (rejected draft tokens not rolled back?)"),
+                            expected=f"{int(placed_at[b, q]) + 1} keys", source=source, cell=None)))
+                    elif before is not None and n == before[1] + 1 and p != before[0] + 1:
+                        done.add(where)
+                        why = ("the position is ahead of the keys it writes (advanced before the forward?)" if p > before[0]
+                               else "keys of tokens no longer in the sequence stay in the cache (not rolled back?)")
+                        found.append((call, Finding("positions-vs-keys", (
+                            f"batch row {b}: query {first} sees one key more than the site's previous step's last query "
+                            f"(at position {before[0]}), yet its position is {p}, not {before[0] + 1}: {why}"),
+                            expected=f"position {before[0] + 1}", source=source, cell=None)))
+                    last[(where, row)] = (int(placed_at[b, end]), int(counts[b, end]))
+                if placed.any():
+                    counted[where] = counted.get(where, True) and bool((good == placed).all())
+    return found
+
+
+RULES = (
+    Rule("positions-vs-keys", "wrong", "steps", "a query whose stated position (position_ids, positions, pos) does not "
+         "count the keys it sees: one that extends an earlier query's keys by n keys sits other than n positions after "
+         "it (a draft tree's node at its index, not its depth), a step whose cache grew by one key moves the position "
+         "by other than one, or a query sees more keys than its position counts where the site's every earlier query "
+         "saw exactly those", check),
+)

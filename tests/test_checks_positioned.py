@@ -1,0 +1,99 @@
+"""checks/positioned.py: the positions a model call hands its rotary embedding against the keys each query sees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+import numpy as np
+
+from checkbugs import check_bug
+from maskcli.checks.positioned import _within
+
+POSITIONS = Path(__file__).parent / "data" / "positions"
+
+
+def _depths(parents: list[int]) -> list[int]:
+    """Each node's depth, walking its parents (the reference)."""
+    found = []
+    for node in range(len(parents)):
+        depth, up = 0, parents[node]
+        while up >= 0:
+            depth, up = depth + 1, parents[up]
+        found.append(depth)
+    return found
+
+
+def test_mlxcel_tree_verify_positions_at_span_index(tmp_path):
+    """lablup/mlxcel#1214 (written blind, batch blind-ex): the flattened draft tree verified at offset + span index;
+    node 2 (the root's second child, depth 1) sits at 11, not offset 9 + its depth."""
+    hit = check_bug(tmp_path, "mlxcel_mtp_tree_verify_rope_positions_span_index", "positions-vs-keys")[0]
+    depth = _depths([-1, 0, 0, 1, 3])[2]
+    assert hit["expected"] == f"position {9 + depth}" and "query 2" in hit["message"] and "pos of Target" in hit["source"]
+
+
+def test_sglang_eagle_draft_decode_positions_advanced_before_forward(tmp_path):
+    """sgl-project/sglang#25015 (written blind, batch blind-ex): positions.add_(1) before each draft decode forward;
+    request 0's first draft step (7 prompt keys, one more written) ran at 8."""
+    hit = check_bug(tmp_path, "sglang_eagle_worker_draft_decode_positions_advanced_before_forward",
+                    "positions-vs-keys")[0]
+    assert hit["expected"] == "position 7" and "yet its position is 8" in hit["message"]
+
+
+def test_mlc_llm_chain_draft_cache_not_popped(tmp_path):
+    """mlc-ai/mlc-llm#2939 (written blind, batch blind-ex): the draft model's cache never rolled back after chain
+    drafting: round 1's first draft step at position 6 sees 10 keys (5 prompt + 1 pending + 4 drafts of round 0)."""
+    hit = check_bug(tmp_path, "mlc_llm_batch_verify_chain_draft_kv_not_popped", "positions-vs-keys")[0]
+    assert hit["expected"] == "7 keys" and "sees 10 keys" in hit["message"]
+
+
+def test_medusa_tree_position_ids_flat_index_left_padded(tmp_path):
+    """Written another way: a Medusa-style tree over a left-padded batch, position_ids = prompt length + arange(T)
+    beside a bool ancestor mask; the fix's prompt length + depth is quiet."""
+    hit = check_bug(tmp_path, "medusa_tree_verify_position_ids_flat_index_left_padded", "positions-vs-keys", POSITIONS)[0]
+    assert hit["expected"] == f"position {6 + _depths([-1, 0, 0, 1, 2])[2]}"
+
+
+def test_decode_position_from_the_mask_after_appending(tmp_path):
+    """Written another way: a batched generate loop whose position_ids are attention_mask.sum(-1) after the new
+    token's 1 is appended, left-padded; row 0's first decode step (5 prompt tokens) runs at 6."""
+    hit = check_bug(tmp_path, "decode_position_from_mask_sum_after_append_left_padded", "positions-vs-keys", POSITIONS)[0]
+    assert hit["expected"] == "position 5" and "batch row 0" in hit["message"]
+
+
+def test_assisted_draft_cache_not_cropped(tmp_path):
+    """Written another way: HF-style assisted generation whose assistant's past_key_values are not cropped after a
+    rejection (a softmax written by hand, learned position embeddings): 8 tokens up to position 7, 9 keys seen."""
+    hit = check_bug(tmp_path, "assisted_draft_past_key_values_not_cropped", "positions-vs-keys", POSITIONS)[0]
+    assert hit["expected"] == "8 keys" and "sees 9 keys" in hit["message"]
+
+
+def _tree_cells(parents: list[int], history: int) -> np.ndarray:
+    """Bool (1, T, history + T): every node sees the history, itself and its ancestors (a double loop)."""
+    n = len(parents)
+    cells = np.zeros((1, n, history + n), dtype=bool)
+    for i in range(n):
+        cells[0, i, :history] = True
+        j = i
+        while j >= 0:
+            cells[0, i, history + j] = True
+            j = parents[j]
+    return cells
+
+
+def test_within_a_call_positions_follow_depths_not_indices():
+    parents, history = [-1, 0, 1, 0, 3, 3], 4
+    seen = _tree_cells(parents, history)
+    placed = np.ones((1, len(parents)), dtype=bool)
+    depths = np.array(_depths(parents))
+    assert _within(seen, placed, history + depths[None]) is None
+    b, j, i, more, moved = _within(seen, placed, history + np.arange(len(parents))[None])
+    assert (b, j, i) == (0, 3, 0) and more == depths[3] - depths[0] and moved == 3
+
+
+def test_within_a_call_a_sliding_window_and_packed_documents_are_quiet():
+    """Keys a window drops are no earlier query's subset; a packed row's second document sees none of the first's."""
+    q = np.arange(8)
+    window = (q[None, :] <= q[:, None]) & (q[:, None] - q[None, :] < 3)
+    assert _within(window[None], np.ones((1, 8), dtype=bool), q[None]) is None
+    docs = (q[None, :] <= q[:, None]) & ((q[:, None] < 5) == (q[None, :] < 5))
+    restart = np.where(q < 5, q, q - 5)
+    assert _within(docs[None], np.ones((1, 8), dtype=bool), restart[None]) is None
