@@ -35,3 +35,15 @@ def test_other_values_are_not_read():
     assert _zeros(torch.zeros(2, 7), (3, 7)) is None  # (another batch)
     assert _zeros(torch.zeros(3, 5, 6), (3, 7)) is None  # (no axis of the mask's samples)
     assert _zeros([0.0] * 7, (3, 7)) is None
+
+
+def test_a_float_mask_over_the_samples_is_no_input():
+    """A float mask or bias held beside the padding mask (DeepSpeed's Bloom float attn_mask, 0 = keep): its zeros are
+    kept samples, not a padding value, so it is not read as the input (it drew padding-mask-wrong-end on a correct
+    program)."""
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[0, :3] = False
+    for fill in (float("-inf"), torch.finfo(torch.float32).min, -10000.0, 1.0):
+        assert _zeros(torch.where(keep, 0.0, fill), (2, 6)) is None
+        assert _zeros(torch.where(keep, fill, 0.0)[:, None, :].expand(2, 4, 6).contiguous(), (2, 6)) is None
+    assert _zeros(torch.zeros(2, 6), (2, 6)) is None  # (all zeros: no values to tell samples from a mask)

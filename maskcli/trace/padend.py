@@ -58,7 +58,7 @@ def note(details: dict, walked) -> None:
 
 def _zeros(value, shape: tuple) -> np.ndarray | None:
     """Bool (B, S) where float `value`, (B, S), (B, C, S) or (B, S, C), is exactly 0 on every channel; None for any
-    other value."""
+    other value, and for a float mask or bias (0 and one other value: its zeros are no padding's values)."""
     if not issubclass(type(value), torch.Tensor) or value.dim() not in (2, 3) or not value.is_floating_point() \
             or value.numel() > MOST or value.device.type == "meta" or value.shape[0] != shape[0]:
         return None
@@ -74,8 +74,13 @@ def _zeros(value, shape: tuple) -> np.ndarray | None:
     if version is not None and held is not None and held[0] is value and held[1] == version and held[2] == samples:
         return held[3]
     with torch.no_grad():
-        zero = value.detach() == 0
-        zero = (zero if axis is None else zero.all(axis)).cpu().numpy()
+        cells = value.detach()
+        zero = cells == 0
+        others = cells[~zero]
+        # (a float mask or bias over the samples, 0 and one other value, e.g. 0 / -inf / finfo.min / 1: a mask's zeros
+        # are kept samples, not a padding value; only values that vary are samples)
+        mask_like = others.numel() == 0 or bool((others == others.reshape(-1)[0]).all())
+        zero = None if mask_like else (zero if axis is None else zero.all(axis)).cpu().numpy()
     if len(_READ) > 256:
         _READ.clear()
     _READ[id(value)] = (value, version, samples, zero)
