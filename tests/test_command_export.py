@@ -368,3 +368,22 @@ def test_a_file_whose_heads_are_the_same_is_one_mask_for_every_head(tmp_path, fo
         assert back.exit_code == 0, back.output
     refused = export("--mask", odd, "--for", form)
     assert refused.exit_code == 2 and "differ: use --for sdpa" in refused.output
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"full_kv_indices": [[[[7]]]]}, "full_kv_indices holds 7; block counts and indices must lie in 0..1 and 0..0"),
+    ({"full_kv_num_blocks": [[[5]]]}, "full_kv_num_blocks holds 5; block counts and indices must lie in 0..1 and 0..0"),
+    ({"full_kv_indices": [[[[0, 0]]]], "full_kv_num_blocks": [[[2]]], "block_size": [8, 4]},
+     "full_kv_indices lists key block 0 twice in query block 0: save the BlockMask's own full_kv_indices (each block at most once a row)"),
+])
+def test_a_crafted_block_mask_names_its_bad_count_or_index(tmp_path, change, message):
+    """hunt 11: an index out of range was refused without the value, and a full block listed twice (which
+    flex_attention would add in twice) was read as once, exit 0."""
+    tensors = {"kv_num_blocks": [[[0]]], "kv_indices": [[[[0]]]], "full_kv_num_blocks": [[[1]]], "full_kv_indices": [[[[0]]]],
+               "block_size": [128, 128], "seq_lengths": [8, 8]} | change
+    path = tmp_path / "b.pt"
+    torch.save({name: torch.tensor(value, dtype=torch.int64 if name in ("block_size", "seq_lengths") else torch.int32)
+                for name, value in tensors.items()}, path)
+    result = runner.invoke(app, ["show", "--mask", str(path), "--from", "flex"])
+    assert result.exit_code == 2
+    assert result.stderr == f"maskcli: error: --mask {str(path)!r}: --from flex: {message}\n"

@@ -516,3 +516,23 @@ def test_a_million_characters_of_documents_pack_wrote_itself_are_checked_not_ref
     assert f"{length * (length - 1) // 2:,} cells" in said, result.stdout
     assert ("varlen: its document(sizes=[...]) would list each of the 1,000,000 documents cu_seqlens gives: a command "
             "of 2,000,032 characters, left out here and in --json") in said
+
+
+def test_a_json_batch_keeps_whole_float_positions_past_float32_exactly(tmp_path):
+    """hunt 11: a JSON batch's floats were read as float32, so position_ids 16777217.0, 16777218.0, 16777219.0
+    (one document) became 16777216, 16777218, 16777220, and pack reported three documents and a leak, exit 1."""
+    path = tmp_path / "b.json"
+    path.write_text('{"position_ids": [16777217.0, 16777218.0, 16777219.0]}')
+    result = pack(path, "--use-cache", "no", "--json")
+    assert result.exit_code == 0, result.output
+    paths = {p["name"]: p for p in json.loads(result.stdout)["paths"]}
+    assert paths["hf-sdpa"]["expression"] == "causal" and json.loads(result.stdout)["findings"] == []
+
+
+def test_a_json_batch_float_past_float32_is_quoted_as_written_not_as_inf(tmp_path):
+    """hunt 11: position_ids 1e300 in a JSON batch was refused as 'holds inf', a value the file does not hold."""
+    path = tmp_path / "b.json"
+    path.write_text('{"position_ids": [1e300, 0]}')
+    result = pack(path)
+    assert result.exit_code == 2
+    assert result.stderr == "maskcli: error: position_ids holds 1e+300, not a whole number; give integers\n"

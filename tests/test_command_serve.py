@@ -481,3 +481,15 @@ def test_a_draft_tree_a_billion_tokens_behind_its_cache_is_not_made_into_cells(t
     result = run(save({**fields, "spec_decoding_position_offsets": [[0, 1, 2]]}, tmp_path / "off.json"))
     assert result.returncode == 1, result.stderr
     assert "has position 1000000002; its mask puts it at 1000000001 (prefix + depth)" in " ".join(result.stdout.split())
+
+
+def test_json_metadata_keeps_whole_float_lengths_past_float32_exactly():
+    """hunt 11: JSON metadata's floats were read as float32, so seqused_k 16777217.0 became 16777216 (the query shown
+    at 16777215, exit 0), and 1e300 was refused as 'holds inf', a value the JSON does not hold."""
+    exact = serve('{"cu_seqlens_q":[0,1],"seqused_k":[16777217.0],"causal":1}', "--json")
+    assert exact.exit_code == 0, exact.output
+    assert exact.stdout == serve('{"cu_seqlens_q":[0,1],"seqused_k":[16777217],"causal":1}', "--json").stdout
+    huge = serve('{"cu_seqlens_q":[0,1],"seqused_k":[1e300],"causal":1}')
+    assert huge.exit_code == 2
+    assert huge.stderr == ("maskcli: error: 'inline JSON': seqused_k holds 1e+300, not a whole number within +-1,099,511,627,776; "
+                           "batch metadata is integers\n")

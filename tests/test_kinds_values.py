@@ -149,3 +149,14 @@ def test_inline_integers_are_digits_0_to_9_as_len_takes_them(text, item):
     refused(["chunk", text], f"chunk labels {text!r}: {item!r} at position {position} of {text!r} is not an integer (write them like 0,0,1,1)")
     with pytest.raises(MaskError, match="is not an integer"):
         parse_rows(text, "--lengths")
+
+
+@pytest.mark.parametrize("args, where", [(["show", "causal", "--ids", "FILE"], "--ids"), (["show", "segment", "--chunks", "FILE"], "FILE"),
+                                         (["show", "padding", "--len", 3, "--lengths", "FILE"], "--lengths")])
+def test_a_whole_float_past_int64_in_a_labels_file_is_refused_with_its_value(tmp_path, args, where):
+    """hunt 11: 1e300 in a JSON of ids or labels was cast to -9223372036854775808 (a RuntimeWarning, then a mask on
+    that label, exit 0; --lengths quoted the wrapped value)."""
+    path = tmp_path / "labels.json"
+    path.write_text("[1e300, 0, 0]")
+    line = refused([path if a == "FILE" else a for a in args], "a label is too large (1e+300; at most ±4,611,686,018,427,387,904)")
+    assert "9223372036854775808" not in line

@@ -156,8 +156,15 @@ def read(tensors: dict, flags: dict):
     batch, _, n_q, n_kv = full_idx.shape
     if min(q_block, kv_block) < 1 or min(q_len, k_len) < 1 or n_q != -(-q_len // q_block) or n_kv != -(-k_len // kv_block):
         raise MaskError(f"{what}: {n_q} x {n_kv} blocks of {q_block} x {kv_block} do not cover seq_lengths ({q_len}, {k_len}): save the BlockMask with its block_size and seq_lengths")
-    if ((full_num < 0) | (full_num > n_kv)).any() or ((full_idx < 0) | (full_idx >= n_kv)).any():
-        raise MaskError(f"{what}: block counts and indices must lie in 0..{n_kv} and 0..{n_kv - 1}")
+    for name, values, top in (("full_kv_num_blocks", full_num, n_kv), ("full_kv_indices", full_idx, n_kv - 1)):
+        if ((values < 0) | (values > top)).any():
+            bad = int(values.ravel()[np.argmax(((values < 0) | (values > top)).ravel())])
+            raise MaskError(f"{what}: {name} holds {bad}; block counts and indices must lie in 0..{n_kv} and 0..{n_kv - 1}")
+    listed = np.sort(np.where(np.arange(n_kv) < full_num[..., None], full_idx, -1 - np.arange(n_kv)), axis=-1)
+    if (listed[..., 1:] == listed[..., :-1]).any():  # flex_attention would add such a block's keys in twice
+        b, _, row, at = np.argwhere(listed[..., 1:] == listed[..., :-1])[0]
+        raise MaskError(f"{what}: full_kv_indices lists key block {int(listed[b, 0, row, at])} twice in query block {int(row)}: "
+                        "save the BlockMask's own full_kv_indices (each block at most once a row)")
     check_rows(batch * q_len, what)
     planes = []
     for b in range(batch):

@@ -126,7 +126,8 @@ def read(path: str | None, given: dict[str, str], maps: list[str]) -> Batch:
     if path is not None:
         from maskcli.tensorfile import load_tensors
 
-        tensors = load_tensors(path, "BATCH", numbers=True, work=(BYTES_PER_TOKEN, "to check as a batch"))
+        # float64: a JSON float is a whole number or refused (_numbers), and float32 rounds one past 2^24 to another
+        tensors = load_tensors(path, "BATCH", json_floats="float64", numbers=True, work=(BYTES_PER_TOKEN, "to check as a batch"))
         if not tensors or set(tensors) == {""}:
             raise MaskError(f"BATCH {path!r} holds one unnamed tensor; save a dict of named tensors (input_ids, position_ids, cu_seqlens, ...)")
         missing = [key for key in named if key not in tensors]

@@ -45,7 +45,8 @@ def read(source: str) -> ServeBatch:
 
     if not is_inline(source) and is_dump(source):
         return _some(from_tensors(read_dump(source), source), source)
-    tensors = read_tensors(source, "FILE", numbers=True, lists=choices.NAMES, work=(32, "to read as batch metadata (int64)"))
+    # float64: a JSON float is a whole number or refused (fields.py), and float32 rounds one past 2^24 to another
+    tensors = read_tensors(source, "FILE", "float64", numbers=True, lists=choices.NAMES, work=(32, "to read as batch metadata (int64)"))
     source = "inline JSON" if is_inline(source) else source
     if set(tensors) == {""}:
         raise MaskError(f"{source!r} holds one unnamed tensor; save a dict of the engine's named fields (query_start_loc, seq_lens, ...)")
