@@ -157,6 +157,7 @@ def test_a_whole_float_past_int64_in_a_labels_file_is_refused_with_its_value(tmp
     """hunt 11: 1e300 in a JSON of ids or labels was cast to -9223372036854775808 (a RuntimeWarning, then a mask on
     that label, exit 0; --lengths quoted the wrapped value)."""
     path = tmp_path / "labels.json"
-    path.write_text("[1e300, 0, 0]")
-    line = refused([path if a == "FILE" else a for a in args], "a label is too large (1e+300; at most ±4,611,686,018,427,387,904)")
-    assert "9223372036854775808" not in line
+    for text, quoted in (("[1e300, 0, 0]", "1e+300"), ("[0, -1e300, 0]", "-1e+300")):
+        path.write_text(text)
+        line = refused([path if a == "FILE" else a for a in args], f"a label is too large ({quoted}; at most ±4,611,686,018,427,387,904)")
+        assert "9223372036854775808" not in line

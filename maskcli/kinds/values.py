@@ -249,7 +249,7 @@ def checked(array: np.ndarray, where: str) -> np.ndarray:
     if array.dtype.kind not in "iu":
         if array.dtype.kind == "f" and np.all(np.isfinite(array)) and np.all(array == np.round(array)):
             if np.abs(array).max() > INT64_LIMIT:  # checked before the cast, which would wrap it (1e300 -> -2^63)
-                raise MaskError(f"{where}: a label is too large ({float(np.abs(array).max()):g}; at most ±{INT64_LIMIT:,})")
+                raise MaskError(f"{where}: a label is too large ({float(array.flat[int(np.argmax(np.abs(array)))]):g}; at most ±{INT64_LIMIT:,})")
             array = array.astype(np.int64)
         elif array.dtype.kind == "f":  # (quote the first value that is no whole number: the fix is in the file)
             bad = array.flat[int(np.argmax(~np.isfinite(array) | (array != np.round(array))))]
