@@ -62,22 +62,42 @@ def _placed(calls: list, positions: np.ndarray) -> list:
 
 def _seen(call, top) -> tuple[np.ndarray, np.ndarray] | None:
     """(bool (B, Lq, Lk) keys each query sees, bool (B, Lq) queries that see their own column and none to its right);
-    keys the model call's 0/1 attention_mask marks as padding are not counted (a mask that lets them be seen is
+    keys the model call states are padding are not counted (_real; a mask that lets them be seen is
     arguments.py's padding-ignored)."""
     cells = keep(call)
     if cells is None:
         return None
     batch, _, q_len, k_len = call.shape
     seen = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
-    real = top.arguments.get("attention_mask")
-    if isinstance(real, np.ndarray) and real.shape == (batch, k_len) and np.isin(real, (0, 1)).all():
-        seen = seen & real.astype(bool)[:, None, :]
+    real = _real(top, batch, k_len)
+    if real is not None:
+        seen = seen & real[:, None, :]
     own = k_len - q_len + np.arange(q_len)
     if own[0] < 0:
         return None
     right = np.arange(k_len)[None, :] > own[:, None]
     placed = seen[:, np.arange(q_len), own] & ~(seen & right[None]).any(axis=2)
     return seen, placed
+
+
+def _real(top, batch: int, k_len: int) -> np.ndarray | None:
+    """Bool (B, Lk): the tokens the model call states are real, where it states them over the keys: a (B, L) 0/1
+    attention_mask's ones, the tokens a (B, L, L) keep mask it was handed lets see themselves (tunix's
+    make_causal_attn_mask: input_mask & causal), its ids other than the pad id it holds; None where none does."""
+    found = []
+    given = top.arguments.get("attention_mask")
+    if isinstance(given, np.ndarray) and given.shape == (batch, k_len) and np.isin(given, (0, 1)).all():
+        found.append(given.astype(bool))
+    handed = top.arguments.get("handed_cells")
+    cells = handed[1] if isinstance(handed, tuple) and len(handed) == 2 else None
+    if isinstance(cells, np.ndarray) and cells.dtype == bool and cells.ndim in (3, 4) and cells.shape[0] == batch \
+            and cells.shape[-2:] == (k_len, k_len) and cells.size == batch * k_len * k_len:
+        found.append(np.diagonal(cells.reshape(batch, k_len, k_len), axis1=1, axis2=2))
+    ids, pad = top.arguments.get("first_ids"), top.arguments.get("pad_id")
+    ids = ids[1] if isinstance(ids, tuple) and len(ids) == 2 else None
+    if isinstance(ids, np.ndarray) and ids.shape == (batch, k_len) and type(pad) is int:
+        found.append(ids != pad)
+    return np.logical_and.reduce(found) if found else None
 
 
 def _within(seen, placed, positions) -> tuple | None:
