@@ -122,8 +122,8 @@ def miscounted(run: Run) -> list:
             continue
         rows = call.shape[0]
         real = _real(top, rows, int(own.max()) + 1)
-        if real is not None and top is not None and top.arguments.get("no_cache"):  # (use_cache=False, none handed: no token before the
-            real = real & (np.arange(real.shape[1]) >= own.min())  # call's own is held, trace/tops.py cache_read)
+        if real is not None and top is not None and top.arguments.get("no_cache"):  # (use_cache=False, none handed:
+            real = real & (np.arange(real.shape[1]) >= own.min())  # no token before the call's own is held, tops.py)
         if call.shape[2] > call.shape[3] and not _first_pass(run, call, top):
             # (more queries than keys after earlier calls: which slots hold what is unknown, but not how many keys
             # the windows of queries at stated positions need between them)

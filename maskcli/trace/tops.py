@@ -168,14 +168,15 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
 def cache_read(given: dict) -> dict:
     """What a call's cache holds as the call ends: its class, the tokens it holds, a static cache's slots."""
     found, cache = {}, given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
-    if cache is None:  # (use_cache=False and no cache handed: the call's keys are its own tokens, checks/uncached.py)
-        return {"no_cache": True} if given.get("use_cache") is False else found
-    found["past_key_values"] = type(cache).__name__
-    held = _held(cache)
-    if held is not None:
-        found["cache_length"] = held
-    sizes = _static_sizes(cache)
-    return {**found, "cache_slots": sizes} if sizes else found
+    if cache is not None:
+        found["past_key_values"] = type(cache).__name__
+        held = _held(cache)
+        if held is not None:
+            found["cache_length"] = held
+        sizes = _static_sizes(cache)
+        if sizes:
+            found["cache_slots"] = sizes
+    return found if cache is not None or given.get("use_cache") is not False else {"no_cache": True}  # (stated: none)
 
 
 SEGMENTS = ("segment_ids", "seq_idx")  # fields of an argument object that name each token's packed document
