@@ -40,3 +40,22 @@ def test_counted_runs_leave_out_padding_positions():
                  for t, p in enumerate(row)] for row in positions.tolist()]
     assert counted(positions).tolist() == expected
     assert counted(positions)[0].tolist() == [True, True, True, True, True, False, False]
+
+
+def test_a_pad_block_hidden_whole_by_a_bool_4d_mask_is_quiet(tmp_path):
+    """quiet-zk, written another way (LLaMA-Factory's float mask in quiet_blind is the first): torchtune-style
+    block-causal bool masks from per-row seq_lens, two rows, each ending in a pad block whose position_ids count 0, 1,
+    .. and which the mask hides whole (no row of it sees a key, no query sees it). No document-row-empty; the pad
+    rows are still said empty (fully-masked), the rows a loop over seq_lens gives."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from checkbugs import traced
+
+    quiet = Path(__file__).parent / "data" / "quiet"
+    status, found, report = traced(tmp_path, "qwen2_packed_rows_bool_4d_mask_pad_block_hidden", False, quiet)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+    seq_lens, width = [[6, 4, 3], [9, 5]], 16
+    pads = [list(range(sum(lens), width)) for lens in seq_lens]
+    empty = [f["message"] for f in found if f["code"] == "fully-masked"]
+    assert empty and f"query rows {pads[0][0]}-{pads[0][-1]} of batch row 0" in empty[0], report

@@ -120,3 +120,19 @@ def test_an_encoders_padding_expanded_per_beam_or_tiled_as_the_memory_mask_says(
     assert np.array_equal(_expanded(encoded, said, 4).real, each)
     said = Top("T5", None, {"encoder_attention_mask": tiled.astype(np.int64)}, 0, 1)
     assert np.array_equal(_expanded(encoded, said, 4).real, tiled)
+
+
+def test_an_unpadded_source_after_a_padded_one_of_as_many_keys_is_quiet(tmp_path):
+    """quiet-zk, written another way (BART's left-padded batch in quiet_blind is the first): Marian sources padded on
+    the right to max_length 8, one request at a time, each checked against itself alone. The second source fills all
+    8 slots: its encoder states no padding, and its cross-attention was read against the first source's encoder (5 of
+    the same 8 keys padded; encoder-padding-ignored). The memory's padding is the latest encoder run's."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "data" / "quiet"
+    status, found, report = traced(tmp_path, "marian_max_length_padded_sources_one_at_a_time", False, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+

@@ -32,3 +32,16 @@ def test_tokens_alone_and_a_windowed_cache_read_are_quiet(tmp_path):
     # that read a cache cut to a window: neither is a step handed none of its keys
     status, found, report = traced(tmp_path, "alone_tokens_step_and_windowed_decode", False, UNCACHED)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_suffix_rescored_without_a_cache_at_its_true_positions_is_quiet(tmp_path):
+    """quiet-zk, written another way (Mistral's receptive-field check in quiet_blind is the first): Qwen2 with
+    sliding_window=3 on 3 layers, a batch scored whole, then each row's last 7 tokens again with use_cache=False and
+    their true position_ids, sdpa and eager. The model call states it keeps no cache, so its keys are its own tokens,
+    none missing (the old rule said decode-keys-missing at position 8)."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    quiet = Path(__file__).parent / "data" / "quiet"
+    status, found, report = traced(tmp_path, "qwen2_sliding_suffix_rescored_without_cache", False, quiet)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -9,7 +9,9 @@ the mask, and its kernel then gives it no attention the program meant: uniform w
 fill (other documents' included), NaN under -inf, 0 from SDPA (evabyte#10: `prepare_eva_training_mask` restarted
 each later document at `token_idx + 1`, so its first token got the separator id and a row of only masked cells).
 Read per batch row on square self-attention calls from position 0 whose keys are the position_ids' tokens; a token
-the attention_mask calls padding is not judged, nor a row whose every token sees nothing (fully-masked says it).
+the attention_mask calls padding is not judged, nor a row whose every token sees nothing (fully-masked says it), nor a
+document whose every token sees no key and is seen by no query: the mask itself calls all of it padding (LLaMA-Factory's
+`prepare_4d_attention_mask`, document index 0, over trailing pads whose position_ids count 0, 1, 2).
 """
 
 from __future__ import annotations
@@ -61,12 +63,16 @@ def empty_document_rows(run: Run) -> list:
             judged = judged & np.broadcast_to(real != 0, judged.shape)
         empty = ~seen.any(axis=-1) & judged
         empty &= seen.any(axis=(1, 2))[:, None]  # (a row that sees nothing anywhere: fully-masked's)
+        docs = np.broadcast_to(labels, (rows, labels.shape[1]))
+        for b in np.flatnonzero(empty.any(axis=1)):  # a document none of whose rows sees a key and none of whose keys
+            live = seen[b].any(axis=-1) | seen[b].any(axis=0)  # is seen: the mask calls all of it padding (a collator's
+            empty[b] &= np.isin(docs[b], docs[b][live])  # trailing pads at positions 0, 1, 2, LLaMA-Factory's index 0)
         if not empty.any():
             continue
         b = int(np.flatnonzero(empty.any(axis=1))[0])
         rows_b = np.flatnonzero(empty[b]).tolist()
         q = rows_b[0]
-        doc = np.broadcast_to(labels, (rows, labels.shape[1]))[b]
+        doc = docs[b]
         own = np.flatnonzero((doc == doc[q]) & judged[b])
         unseen = not seen[b][own][:, q].any()
         found.append((call, Finding("document-row-empty", (

@@ -10,6 +10,8 @@ read the other way round (lsh0520/3D-MoLM#8: Uni-Mol's `padding_mask`, True = pa
 BERT `encoder_attention_mask`, 1 = attend: the queries of a padded molecule see its padding atoms only). Quiet where
 any such query sees a real key (a mask that keeps some of the memory is another mask's business: memory.py's), where
 no encoder self-attention over those keys masks padding, or where its padding is not one run at an end of each row.
+The latest encoder run over those keys is the memory's: one whose every query sees every key states no padding (a
+batch of one unpadded source generated after a padded one, transformers' batched-generate tests row by row).
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ def _stated(other, top, rows: int, k_len: int) -> Encoded | None:
     cells = by_row(other, rows)
     if cells is None:
         return None
+    if cells.all():  # (every query sees every key: the latest encoder run states no padding, not to be passed over
+        return Encoded(np.ones((rows, k_len), bool), other.where, True)  # for an older run of other inputs)
     real = read_off(cells, np.arange(k_len))[0]
     seen = cells.any(axis=1)  # (a key no query of its row sees is padding too where no other row sees it either, which
     real = real & seen  # read_off cannot tell: a source padded to an engine's static length, one row or every row)

@@ -11,7 +11,8 @@ cache_position, wherever the slots are, as long as the cache holds at least as m
 
 Read only where the model call states the query's position (cache_position, input_pos, position_ids, or
 `model`'s placing) and each row's padding (its attention_mask or another padding argument; a batch of one row
-with none stated is unpadded). Where the layer's kind comes from sliding_window or attention_chunk_size alone in a
+with none stated is unpadded); a model call that states it keeps no cache (use_cache=False, none handed) holds no
+token before its own first one. Where the layer's kind comes from sliding_window or attention_chunk_size alone in a
 config that is not transformers' (a hand-written model may keep some layers full with nothing that says which),
 only a query that sees too few keys is said.
 """
@@ -121,6 +122,8 @@ def miscounted(run: Run) -> list:
             continue
         rows = call.shape[0]
         real = _real(top, rows, int(own.max()) + 1)
+        if real is not None and top is not None and top.arguments.get("no_cache"):  # (use_cache=False, none handed:
+            real = real & (np.arange(real.shape[1]) >= own.min())  # no token before the call's own is held, tops.py)
         if call.shape[2] > call.shape[3] and not _first_pass(run, call, top):
             # (more queries than keys after earlier calls: which slots hold what is unknown, but not how many keys
             # the windows of queries at stated positions need between them)

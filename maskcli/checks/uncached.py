@@ -12,8 +12,10 @@ positions and its own prefill say the query has keys before it.
 Quiet where the step has more keys than queries (a cache read, evicted or windowed as it may be), where the
 positions are not stated (placing.py then places the queries at the keys' end), where the first pass lets no query
 see an earlier key (each token alone), where the step has as many keys as that pass or more (chunks of a stream
-encoded apart, each its own sequence), and where the first pass showed the step's positions no key outside their own
-span (a packed document run again alone at its positions, as a reference does).
+encoded apart, each its own sequence), where the first pass showed the step's positions no key outside their own
+span (a packed document run again alone at its positions, as a reference does), and where the model call states it
+keeps no cache (use_cache=False, none handed: transformers then builds its mask over the call's own tokens alone, a
+suffix run at its true position_ids, as a receptive-field reference does).
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ def uncached(run: Run) -> list:
                 before = call
                 continue
             if before is None or not q_len or q_len != k_len or own[0] < k_len or k_len >= before.shape[3] \
-                    or _alone_then(before, own):
-                continue
+                    or _alone_then(before, own) or top is not None and top.arguments.get("no_cache"):
+                continue  # (no_cache: use_cache=False and none handed, trace/tops.py: no cache to continue)
             said = "the model call's positions" if top is None else f"the positions {top.where} states"
             found.append((call, Finding("decode-keys-missing", (
                 f"query 0 sits at position {int(own[0])} ({said}) but is handed only {k_len} key(s), as many as its "

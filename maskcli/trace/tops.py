@@ -176,7 +176,7 @@ def cache_read(given: dict) -> dict:
         sizes = _static_sizes(cache)
         if sizes:
             found["cache_slots"] = sizes
-    return found
+    return found if cache is not None or given.get("use_cache") is not False else {"no_cache": True}  # (stated: none)
 
 
 SEGMENTS = ("segment_ids", "seq_idx")  # fields of an argument object that name each token's packed document
