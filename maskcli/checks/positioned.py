@@ -10,7 +10,8 @@ its right; where those hold, three statements must agree:
   whatever its index in the flattened tree: mlxcel#1214 placed node i at offset + i); a position that goes back
   starts another packed document, which the documents rules read (arguments.py's documents-leak);
 - step to step: where a row's first query sees one key more than the row's last query of the call site's previous
-  step (its cache grew by that token, nothing evicted), its position is one more (sglang#25015 advanced the draft
+  step (its cache grew by that token, nothing evicted), and that query's keys were as many as its position
+  counts, its position is one more (sglang#25015 advanced the draft
   positions before the forward: step 0 at L + 1 over L + 1 keys);
 - a call site whose every query so far has seen exactly position + 1 keys: a later query that sees more keys than
   that holds keys of tokens that are not before it (mlc-llm#2939 never rolled the draft model's cache back after
@@ -176,7 +177,10 @@ def check(run: Run) -> list:
                             f"batch row {b}: query {first} sees one key more than the site's previous step's last query "
                             f"(at position {before[0]}), yet its position is {p}, not {before[0] + 1}: {why}"),
                             expected=f"position {before[0] + 1}", source=source, cell=None)))
-                    last[(where, row)] = (int(placed_at[b, end]), int(counts[b, end]))
+                    if placed_at[b, end] + 1 == counts[b, end]:  # (a step to compare the next against: its last
+                        last[(where, row)] = (int(placed_at[b, end]), int(counts[b, end]))  # query counts its keys)
+                    else:  # (one whose keys its position does not count, a window's or a wrong mask's, is no measure)
+                        last.pop((where, row), None)
                 if placed.any():
                     counted[where] = counted.get(where, True) and bool((good == placed).all())
     return found
