@@ -66,7 +66,7 @@ Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of --as
 Png = Annotated[str | None, typer.Option("--png", metavar="FILE", help="Write a heatmap: .png, .svg or .pdf (a folder: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 Json = Annotated[bool, typer.Option("--json", help="Print the mask as JSON: expression, shape, offsets, cells as [B][H][Lq][Lk] lists (--as).", rich_help_panel=OUTPUT_PANEL)]
 Html = Annotated[str | None, typer.Option("--html", metavar="FILE", help="Write a self-contained HTML page: zoom to any cell, hover for its value and --why.", rich_help_panel=OUTPUT_PANEL)]
-Save = Annotated[str | None, typer.Option("--save", metavar="FILE", help="Save the mask tensor in the --as convention: .pt (or .pth) or .npy (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
+Save = Annotated[str | None, typer.Option("--save", metavar="FILE", help="Save the mask in the --as convention: .pt, .pth or .npy (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 
 
 
