@@ -1,7 +1,6 @@
-# huggingface/transformers#39379 (fix: PR huggingface/transformers#47103), Mllama (Llama 3.2 Vision).
-# MllamaCrossAttentionDecoderLayer applies full_text_row_masked_out_mask only after the MLP, so text tokens that come
-# before <|image|> (whose cross-attention row is fully masked, i.e. an all-zero bias -> uniform attention) still add
-# image information to the residual stream through the gated cross-attention output.
+# Mllama (Llama 3.2 Vision), huggingface/transformers#39379; fix from PR huggingface/transformers#47103 (closed unmerged; same as Meta llama-models CrossAttention).
+# MllamaCrossAttentionDecoderLayer applies full_text_row_masked_out_mask only after the MLP, so text tokens before <|image|> (fully masked
+# cross-attention row -> zeroed bias -> uniform attention over the image) still get image content through the gated cross-attention residual.
 import sys
 
 import torch
