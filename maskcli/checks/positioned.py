@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, keep
+from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -82,23 +83,10 @@ def _seen(call, top) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _real(top, batch: int, k_len: int) -> np.ndarray | None:
-    """Bool (B, Lk): the tokens the model call states are real, where it states them over the keys: a (B, L) 0/1
-    attention_mask's ones, the tokens a (B, L, L) keep mask it was handed lets see themselves (tunix's
-    make_causal_attn_mask: input_mask & causal), its ids other than the pad id it holds; None where none does."""
-    found = []
-    given = top.arguments.get("attention_mask")
-    if isinstance(given, np.ndarray) and given.shape == (batch, k_len) and np.isin(given, (0, 1)).all():
-        found.append(given.astype(bool))
-    handed = top.arguments.get("handed_cells")
-    cells = handed[1] if isinstance(handed, tuple) and len(handed) == 2 else None
-    if isinstance(cells, np.ndarray) and cells.dtype == bool and cells.ndim in (3, 4) and cells.shape[0] == batch \
-            and cells.shape[-2:] == (k_len, k_len) and cells.size == batch * k_len * k_len:
-        found.append(np.diagonal(cells.reshape(batch, k_len, k_len), axis1=1, axis2=2))
-    ids, pad = top.arguments.get("first_ids"), top.arguments.get("pad_id")
-    ids = ids[1] if isinstance(ids, tuple) and len(ids) == 2 else None
-    if isinstance(ids, np.ndarray) and ids.shape == (batch, k_len) and type(pad) is int:
-        found.append(ids != pad)
-    return np.logical_and.reduce(found) if found else None
+    """Bool (B, Lk): the tokens the model call states are real (checks/real.stated: its 0/1 masks, its ids at the pad
+    id it holds, its lengths...); None where it states none."""
+    said = stated(top, batch, k_len)
+    return None if said is None else said[0]
 
 
 def _within(seen, placed, positions) -> tuple | None:
@@ -125,10 +113,10 @@ def check(run: Run) -> list:
     """Each self-attention call of a model call that states positions, against the keys its queries see."""
     found, last, counted, done = [], {}, {}, set()
     for top in run.tops:
-        stated = _positions(top)
-        if stated is None:
+        handed = _positions(top)
+        if handed is None:
             continue
-        name, positions = stated
+        name, positions = handed
         sites: dict = {}
         for call in run.made_by(top):
             sites.setdefault(call.where, []).append(call)
