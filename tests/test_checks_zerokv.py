@@ -75,6 +75,19 @@ def test_the_edge_keys_read_cell_by_cell_agree_with_each_cells_value_in_every_la
     assert _edges_nonzero(broadcast, tuple(broadcast.shape)) is True
 
 
+def test_a_key_of_other_than_three_or_four_dimensions_is_never_read_by_address():
+    """A 5-D K (windows as a batch dim: snac's local attention) or a 2-D one: its addresses are not a 3-D or 4-D K's,
+    so the edges are not read cell by cell (a read past the storage crashed the process: CI, exit 139)."""
+    from maskcli.trace.keyreads import key_reads
+    from maskcli.trace.zerokv import _edges_nonzero
+
+    five = torch.randn(2, 3, 4, 1, 8)  # (B, H, W, N, D): N = 1 key a window, heads fewer than positions*stride
+    assert _edges_nonzero(five, tuple(five.shape)) is False
+    assert _edges_nonzero(five[0, 0, 0], tuple(five[0, 0, 0].shape)) is False
+    assert _edges_nonzero(five[0], (2, 3, 4, 1, 8)) is False  # (a shape that is not the tensor's own: not read)
+    assert "zero_kv" not in key_reads(five, five, five, tuple(five.shape))
+
+
 def test_masked_zero_edges_read_cell_by_cell_give_what_reading_every_edge_gives(monkeypatch):
     import maskcli.trace.zerokv as zerokv
 

@@ -107,6 +107,8 @@ def _edges_nonzero(k: torch.Tensor, k_shape: tuple) -> bool:
     cells read alone at its address (about a microsecond a cell, where making a numpy view and counting it costs tens
     on a traced call, its caches cold from the model's own work); False where that is not known so (more heads than
     EDGES cells, a tensor not read so: the numpy or torch path then reads them)."""
+    if not 3 <= len(k_shape) <= 4 or k.dim() != len(k_shape) or k_shape[-2] < 1:
+        return False  # (the addresses below are a 3-D or 4-D K's own: any other would be read past its storage)
     rows, heads = (k_shape[0], k_shape[1]) if len(k_shape) == 4 else (1, k_shape[0])
     cell = _CELLS.get(k.dtype)
     if rows * heads * 2 > EDGES or cell is None or not k.is_cpu or type(k) is not torch.Tensor or k.layout != torch.strided:
