@@ -48,6 +48,10 @@ def test_the_rule_reads_every_way_the_lengths_lie():
     assert _read_against(shorter, real) is True
     prefix = np.broadcast_to(np.stack([at >= 0, (at >= 1) & (at < 4)])[:, None, :], (2, 6, 6))
     assert _read_against(prefix, real) == (1, 0)
+    slots = ((at % 3) != 0)[None, None, :] & real[:, None, :] & np.ones((2, 6, 1), bool)  # keys 0, 3 hidden
+    assert _read_against(slots, real) == (0, 0)
+    slots[:, [0, 3], :] = False  # (and those positions see no key as queries: slots laid between tokens, no token)
+    assert _read_against(slots, real) is True
     held = {"kind": "columns", "name": "valid_length", "rows": np.array([[6, 1], [4, 1]])}
     assert [name for name, _ in _columns(held, 6)] == ["valid_length[:, 0] right-padded", "valid_length[:, 0] left-padded"]
 
@@ -67,3 +71,16 @@ def test_prompt_frames_or_ed_into_mha_key_padding(tmp_path):
     hit = check_bug(tmp_path, "prompt_frames_in_key_padding_mask_mha_durations", "real-keys-hidden", HIDDENREAL)[0]
     assert "durations" in hit["source"]
     assert tuple(hit["cell"]) == _first_hidden([17, 20, 13], [5, 8, 6], 20)
+
+
+def test_streaming_chunk_slots_the_lengths_count_are_no_hidden_real_keys(tmp_path):
+    """modelscope/FunASR's SANMEncoderChunkOpt (blind-fe): split_chunk lays look-back slots between each chunk's frames
+    and its `ilens` counts them; the chunk mask hides those slots as keys and as queries (rows that see nothing, zeroed
+    after the softmax). No real key is hidden: the fixed program is quiet of real-keys-hidden."""
+    from checkbugs import traced
+
+    blind = Path(__file__).parent / "data" / "blind"
+    name = "funasr_paraformer_online_dynamic_chunk_never_trains_last_chunk_config"
+    status, found, report = traced(tmp_path, name, True, blind)
+    assert [f for f in found if f["code"] == "real-keys-hidden"] == [], report
+    assert status == 0, report

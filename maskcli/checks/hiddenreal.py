@@ -11,7 +11,9 @@ passed the flag, hid them from every source token (awslabs/sockeye#1087).
 
 Each column that is a padded batch's lengths (every row one real token at least, one row whole, one row not) is read
 right- and left-padded; the rule speaks only where one reading the mask keeps to leaves such real keys hidden and
-no reading accounts for the mask (kept to, its hidden keys one run with the padding). Quiet on cross-attention, on a
+no reading accounts for the mask (kept to, its hidden keys one run with the padding). A position whose own query sees
+no key either is no token by the mask's word (FunASR's streaming chunks lay look-back slots between the frames, which
+the lengths count and the chunk mask hides as query and as key): not a hidden real key. Quiet on cross-attention, on a
 cache (fewer queries than keys), and where a padding mask the program also holds is kept to exactly (two statements
 of the padding, the mask's own among them).
 """
@@ -60,7 +62,7 @@ def _read_against(rows: np.ndarray, real: np.ndarray) -> tuple[int, int] | bool:
     seen = (rows & real[:, :, None]).any(axis=1)  # (B, Lk) keys some real query sees
     if (seen & ~real).any():
         return False
-    hidden = real & ~seen
+    hidden = real & ~seen & rows.any(axis=2)  # (a position that sees no key either: no token, by the mask's own word)
     apart = [b for b in np.flatnonzero(hidden.any(axis=1)) if not _one_run_with_padding(hidden[b], real[b])]
     return (int(apart[0]), int(np.flatnonzero(hidden[apart[0]])[0])) if apart else True
 
