@@ -26,11 +26,25 @@ def test_a_top_made_after_the_run_holds_the_mask_as_the_call_was_handed_it():
             model(ids, mask)
             mask[0, 3 - step] = 0  # the program changes its mask in place once the call is over
         waiting = [type(top).__name__ for top in t._tops]
-    # (the first call is finished as the second begins: its module's hooks are put on during it, outer.py)
+    # (the first call is finished as the second begins, its module's hooks put on during it: outer.py keeps what it
+    # was handed as it was, the program having changed it since)
     assert waiting == ["Later", "Later", "Later"]
-    assert [top.arguments["attention_mask"].tolist() for top in t.tops[1:]] == [[row] for row in handed[1:]]
+    assert [top.arguments["attention_mask"].tolist() for top in t.tops] == [[row] for row in handed]
     assert [top.arguments["input_ids"].tolist() for top in t.tops] == [[[5, 6, 7, 8]]] * 3
     assert [(top.first, top.end) for top in t.tops] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_a_first_call_changed_in_place_after_it_is_read_as_handed_also_under_inference_mode():
+    """The module's first call ends without a hook (its hooks are put on during it): finished once the run is over, it
+    holds the mask as handed, not as the program left it (GritLM zeroes its instruction tokens for its pooling)."""
+    for mode in (torch.no_grad, torch.inference_mode):
+        model, ids = Tiny(), torch.tensor([[5, 6, 7, 8], [5, 6, 7, 0]])
+        with mode():
+            mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+            with maskcli.trace() as t:
+                model(ids, mask)
+                mask[:, :2] = 0  # (after the call: the pooling's mask, not the attention's)
+        assert t.tops[0].arguments["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]], mode
 
 
 def test_a_call_handed_a_float_input_has_its_top_made_as_it_ends():

@@ -12,7 +12,9 @@
   own decoder class (named a decoder, in the program's files) has a causal-mask builder in its code (ESPnet's
   `subsequent_mask`, fairseq's `buffered_future_mask`, `generate_square_subsequent_mask`: trace/builders.py): the
   program builds its decoder causal, and this mask never got that part (espnet#1539: ESPnet2's TransformerDecoder
-  built `tgt_mask` from the target lengths alone). Left alone: a decoder that names itself not autoregressive
+  built `tgt_mask` from the target lengths alone). Left alone: a decoder some running module's forward was handed
+  `is_causal=False` against its default (GritLM embeds bidirectionally with the causal LM's own model:
+  trace/forwardflag.py said_both_ways), a decoder that names itself not autoregressive
   (an MLM / NAR decoder), a library's decoder (DETR runs torch's without a causal mask), a config that states the
   attention both ways, later keys token types account for, one query, cross-attention (checks/context.crossing).
 """
@@ -117,8 +119,8 @@ def decoder_builder_unused(run: Run) -> list:
                                                                          or _self_by_inputs(call))]
     for call in run.calls + bare:
         said = call.details.get("decoder_builder")
-        if said is None or call.details.get("module_not_causal"):
-            continue
+        if said is None or call.details.get("module_not_causal") or call.details.get("forward_not_causal"):
+            continue  # (a module that says it is not causal, or a forward around the call handed causal=False: GritLM's)
         key = (call.mask, tuple(call.shape), said)
         if key in done:
             continue

@@ -3,8 +3,9 @@ the program's frames at an attention call.
 
 Keras's MultiHeadAttention and its ports take causality per call, `self_attention(h, h, use_causal_mask=True)`, not as
 an attribute (trace/sites.py causal_flag reads those): the innermost running module's own forward frame, found among
-the program's frames trace/walk.py walked, holds the argument as the caller passed it. Only True is read: an argument
-left False says the caller did not ask, not that the layer attends both ways.
+the program's frames trace/walk.py walked, holds the argument as the caller passed it. True is read; False only around
+a decoder that builds causal masks, and only against a forward's default that is not False (said_both_ways: an argument
+left at a default of False says the caller did not ask, not that the layer attends both ways).
 
 An attention implementation that is no nn.Module (vLLM's `FlashAttentionImpl`, held by the layer as `self.attn` and
 called as `self.attn.forward_fa_npu(q, k, v)`) keeps its word as its own attribute: `self.causal = True` on an object
@@ -20,17 +21,42 @@ import torch
 NAMES = ("use_causal_mask", "is_causal", "causal")
 
 
-def forward_flag(stack: list, frames: list) -> str | None:
+def forward_flag(stack: list, frames: list, value: bool = True) -> str | None:
     """'Class.forward(use_causal_mask=True)' where the innermost running module's forward, among `frames` ((frame, names)
-    innermost first, the program's own), was handed one of NAMES as True; None otherwise."""
+    innermost first, the program's own), was handed one of NAMES as `value` (False: only against a default that is not
+    False); None otherwise."""
     found = forward_frame(stack, frames, lambda code: any(name in code.co_varnames for name in NAMES))
     if found is None:
         return None
     frame, arguments = found
     for name in NAMES:
-        if name in arguments and frame.f_locals.get(name) is True:
-            return f"{type(stack[-1]).__name__}.forward({name}=True)"
+        if name in arguments and frame.f_locals.get(name) is value and (value or _default(stack[-1], name) is not False):
+            return f"{type(stack[-1]).__name__}.forward({name}={value})"
     return None
+
+
+def _default(module, name: str):
+    """The default of `name` in the module's forward (None where it has none): False handed where False is the default
+    is no word of the caller's."""
+    function = type(module).forward
+    code, defaults = function.__code__, function.__defaults__ or ()
+    positional = code.co_varnames[:code.co_argcount]
+    if name in positional[len(positional) - len(defaults):]:
+        return defaults[positional.index(name) - (len(positional) - len(defaults))]
+    return (function.__kwdefaults__ or {}).get(name)
+
+
+def around(stack: list, frames: list, value: bool = True) -> str | None:
+    """forward_flag of the innermost running module on `stack` whose forward was handed one of NAMES as `value`."""
+    return next((found for i in range(len(stack) - 1, -1, -1)
+                 if (found := forward_flag(stack[:i + 1], frames, value)) is not None), None)
+
+
+def said_both_ways(stack: list, frames: list, details: dict) -> str | None:
+    """'Class.forward(is_causal=False)' where a decoder's call (trace/builders.py's decoder_builder in `details`) runs
+    inside a module whose forward was handed causal False against its default: the caller chose this pass bidirectional
+    (GritLM's one model embeds with `is_causal=False` and generates causal: checks/directions.py)."""
+    return around(stack, frames, False) if "decoder_builder" in details else None
 
 
 def forward_frame(stack: list, frames: list, takes) -> tuple | None:

@@ -35,6 +35,32 @@ def _holds(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
     return id(inner) in held
 
 
+def _then(args: tuple, kwargs: dict) -> dict:
+    """id -> (tensor, its version, a copy) of the small integer or bool tensors a call was handed (ids, masks,
+    positions: what tops.py reads), where nothing may finish the call as it ends (a module's first call, which runs
+    without the hooks registered inside it): the program may change them in place before the call is finished
+    (GritLM zeroes its instruction tokens in the attention_mask it handed the model, for its pooling)."""
+    from maskcli.trace.padded import MOST
+
+    kept = {}
+    for value in (*args, *kwargs.values()):
+        if type(value) is torch.Tensor and value.dim() <= 2 and value.numel() <= MOST \
+                and (value.dtype == torch.bool or not value.is_floating_point()) and not value.is_complex():
+            kept[id(value)] = (value, None if value.is_inference() else value._version, value.clone())
+    return kept
+
+
+def _as_then(values: tuple, then: dict) -> tuple:
+    """`values` with each tensor changed in place since `then` was read replaced by its copy from then."""
+    out = []
+    for value in values:
+        held = then.get(id(value))
+        changed = held is not None and held[0] is value and (  # (inference_mode: no version counter, compared)
+            held[1] != value._version if held[1] is not None else not torch.equal(held[2], value))
+        out.append(held[2] if changed else value)
+    return tuple(out)
+
+
 class Outer:
     """Trace's outermost module calls (capture.py's Trace mixes this in)."""
 
@@ -74,7 +100,8 @@ class Outer:
         local.outer = held = [frame, module, args, kwargs, first, len(self._calls), kept]
         adopt(self, held, found[-1][1])  # (its convolutions before this first attention call: trace/convpad.py)
         self._outers[threading.get_ident()] = held
-        if id(module) not in self._handles:
+        if id(module) not in self._handles:  # (this call ends without the hook: finished later, its arguments then
+            self.__dict__.setdefault("_then", {})[id(held)] = _then(args, kwargs)  # changed maybe: kept as handed)
             self.poolrows.first_call(frame, module, args, kwargs, held, self._follow)  # (its post hook is not run now)
             self._handles[id(module)] = (module.register_forward_pre_hook(self._outer_pre),
                                          module.register_forward_hook(self._outer_post, always_call=True, with_kwargs=True))
@@ -125,6 +152,9 @@ class Outer:
         if frame is None:  # (finished already)
             return
         held[0] = None  # (its frame let go: the program's variables are its own again)
+        then = self.__dict__.get("_then", {}).pop(id(held), None)
+        if then:  # (a module's first call, finished after it ended: what it was handed that the program changed since)
+            args, kwargs = _as_then(args, then), {name: _as_then((value,), then)[0] for name, value in kwargs.items()}
         convs = self._convs.pop(id(held), ())  # (what its convolutions read: trace/convpad.py)
         if convs:
             stated_frames(convs, module, args, kwargs)  # (the call's own 2-D masks beside them: trace/convpad.py)

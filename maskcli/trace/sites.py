@@ -24,7 +24,7 @@ import torch
 from maskcli.trace.builders import causal_builder
 from maskcli.trace.crossing import Readings
 from maskcli.checks.causalname import causal_class
-from maskcli.trace.forwardflag import forward_flag, stated_flag
+from maskcli.trace.forwardflag import around, said_both_ways, stated_flag
 from maskcli.trace.held import padding, split_top
 from maskcli.trace.masktype import mask_type
 from maskcli.trace.reqlens import lengths
@@ -121,10 +121,8 @@ class Sites:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
             if flag.endswith("=False") and self.walked is not None:  # (a model whose forward is handed causal per call
                 # around a module that says False: GritLM's; checks/directions.py leaves those calls alone)
-                around = next((found for i in range(len(self.stack) - 1, -1, -1)
-                               if (found := forward_flag(self.stack[:i + 1], self.walked.held)) is not None), None)
-                if around is not None:
-                    details["forward_causal"] = around
+                if (said := around(self.stack, self.walked.held)) is not None:
+                    details["forward_causal"] = said
         if caller is not None:
             details["caller"] = caller
         if "cross" not in details:  # (a reader may have said it already: one query's scores, trace/masks.py)
@@ -138,6 +136,7 @@ class Sites:
                 ("function_causal", causal_function if walked is not None else None, attending),  # (checks/causal_lm.py)
                 ("class_causal", causal_class, self.stack),  # the attending module's class named causal: the same weak word
                 ("decoder_builder", causal_builder, self.stack),  # a decoder whose code builds causal masks (checks/directions.py)
+                ("forward_not_causal", said_both_ways if walked is not None else None, self.stack, held, details),
                 ("shifted_windows", shifted_windows, self.stack),  # a Swin block's shifted windows and its mask (checks/swin.py)
                 ("held_padding", padding, held),  # the padding the program's frames hold (checks/held.py)
                 ("look_ahead", look_ahead if walked is not None else None, self.stack, walked and walked.windows),
