@@ -350,8 +350,8 @@ class Trace(Outer, Follow):
             guarded(queried.note, seen.details, self.sites.stack, seen.api, seen.shape)  # (the layer's queries, heads)
             guarded(calledflag.note, seen.details, self.sites.stack, self.sites.walked, seen.shape)  # (a helper's causal=)
             guarded(askedcausal.note, seen.details, self.sites.stack, self.sites.walked)  # (mask="subsequent" per call)
-            for note in (padfill.note, namedmasks.note, offgrid.note, poolspan.note, padend.note):  # (padding flags
-                guarded(note, seen.details, self.sites.walked)  # with a fill; `x_mask`s; rope positions; pooled queries)
+            for note in (padfill.note, namedmasks.note, offgrid.note, poolspan.note, padend.note, self.rowsout.note):
+                guarded(note, seen.details, self.sites.walked)  # (fill flags, `x_mask`s, positions, a row mask...)
             chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
             if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
                 seen.details["held_chunks"] = chunks

@@ -74,12 +74,13 @@ class Follow:
         from maskcli.trace.multiplied import Products
         from maskcli.trace.overflow import Overflows
         from maskcli.trace.poolrows import PoolRows
+        from maskcli.trace.rowsout import RowsOut
 
         self.after, self.overflows, self.discarded = After(), Overflows(), Discarded()
-        self.poolrows, self.maskmean, self.products = PoolRows(), MaskMean(), Products()
+        self.poolrows, self.maskmean, self.products, self.rowsout = PoolRows(), MaskMean(), Products(), RowsOut()
         scores = self.scores._found if self.scores is not None else {}
         self._followed = (self.overflows._found, scores, self.after._found, self.weights._found, self.poolrows._found,
-                          self.maskmean._found)
+                          self.maskmean._found, self.rowsout._found)
 
     # --- what passes, and the mode --------------------------------------------------------------
 
@@ -240,6 +241,8 @@ class Follow:
 
     def _after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
         followed = self._followed
+        if self.rowsout._armed is not None and not self.within:  # (the output of a call whose frames state a row
+            self.rowsout.begin(self, out, softmaxed is not None)  # mask, followed: trace/rowsout.py)
         if self.discarded.results:  # (a fill's result read: not thrown away, discarded.py)
             self.discarded.reads(args, kwargs)
         if softmaxed is not None:  # its weights followed: a 0/1 mask multiplied in afterwards is its mask (after.py)
@@ -270,6 +273,8 @@ class Follow:
                 self.weights.after(func, args, kwargs, out, self.scores)
             if followed[4] and not self.busy:  # (a model output read at one position per row: poolrows.py)
                 self.poolrows.after(func, args, kwargs)
+            if followed[6] and not self.busy:  # (rows a row mask states masked out, reaching a sum: rowsout.py)
+                self.rowsout.after(func, args, kwargs, out)
         if (followed[5] or func in REDUCES) and not self.busy:  # (a mean whose sum counts what its divisor does not:
             self.maskmean.after(func, args, kwargs, out, self._calls)  # maskmean.py)
         if (func in WATCHED or followed[0] or followed[1] and func in IN_PLACE) and isinstance(out, torch.Tensor) \

@@ -150,6 +150,10 @@ def wrap(trace, record: bool = True) -> list:
             trace.capture(read_functional, *notes[0])
         else:
             trace.capture(read_fast_mha, (module, *args), kwargs)
+        if trace.rowsout._armed is not None:  # (its output followed where its frames state a row mask: rowsout.py)
+            trace.rowsout.begin(trace, out, False)
+            if trace.rowsout._found:
+                trace._follow()
         return out
 
     def forward_layer(module, args, kwargs, original):
