@@ -82,9 +82,11 @@ def withheld(module, args: tuple, kwargs: dict, caller) -> dict:
     call) outward: read as the call runs (outer.py), since its Top is made later, when those frames hold other values
     or have returned."""
     from maskcli.trace.scored import scored  # (a trainer's completion mask; a trajectory's step mask: steppad.py)
+    from maskcli.trace.memslots import memory_slots  # (a memory's slots, its mask and its zeros: memflip.py)
     from maskcli.trace.steppad import step_padding
     signature, given = _given(module, args, kwargs)
-    return {**_withheld(signature, given, caller), **scored(given, caller), **step_padding(given, caller)}
+    return {**_withheld(signature, given, caller), **scored(given, caller), **step_padding(given, caller),
+            **memory_slots(given)}
 
 
 def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, stated: tuple = (),
