@@ -7,7 +7,8 @@ An offline-RL trainer slices fixed-length windows of episodes and pads the short
 Read at an outermost model call as it runs: first its own float (B, T, C) arguments, for one whose rows are all-zero
 steps in a run at an edge in some batch row (a few reductions, on 3-D float inputs only); only then the program's
 frames that made the call (the caller's, up to FRAMES, the main module's own line too), for a 0/1 (B, T) tensor named
-as a step mask, a variable or a dict's entry (`batch["masks"]`), whose padded steps are exactly the input's zeros.
+as a step mask, a variable or a dict's entry (`batch["masks"]`), whose padded steps are exactly the input's zeros,
+and that the model call was not handed (as it is, or turned round: Lumina2's `cap_mask`, read by its own refiner).
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ def _agrees(real: np.ndarray, zero: np.ndarray) -> bool:
     return bool(zero[~real].all() and not any(zero[b][real[b]].all() for b in np.flatnonzero(padded)))
 
 
+def _handed(real: np.ndarray, given: dict) -> bool:
+    """The model call was handed that step mask, either way round (its misuse inside is other rules' to read: this
+    one reads a mask that never reached the model)."""
+    for value in given.values():
+        if issubclass(type(value), torch.Tensor) and tuple(value.shape) == real.shape and value.device.type != "meta":
+            rows = value.detach().cpu().numpy()
+            if np.isin(rows, (0, 1)).all() and ((rows != 0) == real).all() | ((rows == 0) == real).all():
+                return True
+    return False
+
+
 def step_padding(given: dict, frame) -> dict:
     """{"step_padding": (mask name, where, bool (B, T) real steps, input name)}: the step mask the frames from `frame`
     outward hold whose padding the model call's float input holds as zeros; {} otherwise."""
@@ -82,7 +94,7 @@ def step_padding(given: dict, frame) -> dict:
                  and len(value) <= 64 for key, entry in value.items() if isinstance(key, str)]
         for name, value in held:
             real = _as_real(name.rsplit('["', 1)[-1].rstrip('"]'), value)
-            if real is None:
+            if real is None or _handed(real, given):
                 continue
             for other, zero in inputs:
                 if _agrees(real, zero):
