@@ -54,8 +54,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "source_seq", "trg_seq", "tgt_seq", "target_seq")
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k")  # kept as ints too
-# a vision tower's patch padding, True (1) = a real patch: Idefics2's (B, H/p, W/p), MiniCPM-V's (B, 1, patches); kept
-# flattened to (B, patches), the key order of its attention (checks/real.py)
+# a vision tower's patch padding, True (1) = a real patch: Idefics2's (B, H/p, W/p), MiniCPM-V's (B, 1, patches); kept flat
 PATCHES = ("patch_attention_mask", "patch_attn_mask")
 _NAMED = ARGUMENTS + PATCHES
 
@@ -82,10 +81,12 @@ def withheld(module, args: tuple, kwargs: dict, caller) -> dict:
     """What `_withheld` reads of one outermost call, from the program's frames from `caller` (the frame that made the
     call) outward: read as the call runs (outer.py), since its Top is made later, when those frames hold other values
     or have returned."""
-    from maskcli.trace.scored import scored  # (a trainer's completion mask beside a mask with a hole)
-
+    from maskcli.trace.scored import scored  # (a trainer's completion mask; a trajectory's step mask: steppad.py)
+    from maskcli.trace.memslots import memory_slots  # (a memory's slots, its mask and its zeros: memflip.py)
+    from maskcli.trace.steppad import step_padding
     signature, given = _given(module, args, kwargs)
-    return {**_withheld(signature, given, caller), **scored(given, caller)}
+    return {**_withheld(signature, given, caller), **scored(given, caller), **step_padding(given, caller),
+            **memory_slots(given)}
 
 
 def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, stated: tuple = (),
@@ -334,8 +335,7 @@ def _withheld(signature, given: dict, frame) -> dict:
         return {}
     for n, frame in enumerate(program_frames(frame, WITHHELD_FRAMES)):
         code = frame.f_code
-        # (a module's globals speak for no call, but the main module's own line that made this call: a generation
-        # loop written at the top of the script, its `model_kwargs` held there)
+        # (a module's globals speak for no call, but the main module's own line that made this call: a generation loop)
         variables = frame.f_locals if code.co_name != "<module>" or n == 0 and frame.f_globals.get("__name__") == "__main__" \
             else {}
         for name in names:
