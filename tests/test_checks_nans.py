@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkbugs import check_bug, traced
+from checkbugs import check_bug, first, traced
 
 NANS = Path(__file__).parent / "data" / "nans"
 FIXQ2 = Path(__file__).parent / "data" / "fixq2"
@@ -184,3 +184,17 @@ def test_pair_mask_product_of_real_flags_with_heads_folded_into_the_batch(tmp_pa
     lengths = (6, 10, 3)
     real = [q for q in range(10) if q < lengths[0]]
     assert f"query rows {real[0]}-{real[-1]} of batch row 0" in hit["message"], hit
+
+
+def test_onnxscript_sdpa_bool_mask_lowering_without_its_nan_guard(tmp_path):
+    """microsoft/onnxscript#2479 (ecb7677; written blind, batch blind-fb, caught before any rule was changed for it):
+    torch_lib's SDPA with a bool mask adds Where(mask, 0, -inf) before a plain Softmax, so a left-padded row's pad
+    queries (causal & padding) are NaN, which the next layer's real queries of that row read as keys. The cell is a
+    double loop's first real query over a padded key it reaches causally; the fix (Where(IsNaN(w), 0, w) after the
+    Softmax, read by trace/after.py as those rows zeroed) is quiet."""
+    [hit] = check_bug(tmp_path, "onnxscript_torchlib_sdpa_bool_mask_fully_masked_rows_nan", "nan-spread")
+    real = [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: real[b][q] and not real[b][k] and k <= q), hit
+    assert "query rows 2-5 of batch row 0 are NaN" in hit["message"], hit
+    status, found, report = traced(tmp_path, "onnxscript_torchlib_sdpa_bool_mask_fully_masked_rows_nan", True)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from checkbugs import check_bug
+from checkbugs import check_bug, first
 from maskcli import tracefile
 from maskcli.checks.rows import empty_rows, given_empty_rows, given_later, later
 
@@ -609,3 +609,13 @@ def test_a_tile_of_a_blockwise_kernel_is_read_at_its_places():
     assert later(*call(causal, "softmax", tile=tile), None) == []
     [found] = later(*call(at_places(1), "softmax", tile=tile), None)
     assert found.code == "sees-later"
+
+
+def test_executorch_export_leaves_the_causal_mask_buffer_all_false(tmp_path):
+    """pytorch/executorch#18380 (07b7c7e; written blind, batch blind-fb, caught before any rule was changed for it):
+    _materialize_buffers zero-fills the meta buffers and rebuilds the tril mask only where isinstance(layer.attn,
+    FullAttention), False for model.py imported under another path: the static-cache SDPA gets an all-False mask. The
+    cell is a double loop's first cell a causal prefill over the 16-slot cache keeps (every one is hidden)."""
+    found = check_bug(tmp_path, "executorch_qwen3_5_moe_export_causal_mask_buffer_left_zero", "fully-masked")
+    assert tuple(found[0]["cell"]) == first((1, 6, 16), lambda b, q, k: k <= q), found
+    assert "the mask masks everything" in found[0]["message"], found
