@@ -62,7 +62,7 @@ class After:
 
     def __init__(self):
         self._found: dict[int, tuple] = {}
-        self._copied: dict[int, list] = {}  # id(weights) -> the rows an out-of-place masked_fill zeroed in a copy
+        self._copied: dict[int, tuple] = {}  # id(weights) -> (the rows an out-of-place fill zeroed in a copy, its op)
         self._read: set[int] = set()  # id(weights) already read by weights @ values: a product after it is no mask
 
     def note(self, out, call, seen) -> None:
@@ -148,7 +148,7 @@ class After:
                 if bool(whole.any()):
                     if len(self._copied) >= KEEP:
                         self._copied.clear()
-                    self._copied[id(args[0])] = whole.reshape(-1).nonzero().flatten().tolist()[:4096]
+                    self._copied[id(args[0])] = (whole.reshape(-1).nonzero().flatten().tolist()[:4096], "masked_fill")
             empty = ~seen.keep.any(dim=-1)  # (.., Lq): the rows a softmax of all -inf makes NaN
             if bool(empty.any()) and bool(where[empty].all()):
                 call.details["zeroed_after"] = True
@@ -173,9 +173,10 @@ class After:
         if len(self._read) >= KEEP:
             self._read.clear()
         self._read.add(id(weights))
-        rows = self._copied.pop(id(weights), None)
-        if rows is not None:
-            lost = {"rows": rows, "cells": len(rows)}
+        copied = self._copied.pop(id(weights), None)
+        if copied is not None:
+            rows, how = copied
+            lost = {"rows": rows, "cells": len(rows), "by": how}
             for details in (call.details, seen.details):
                 details["zeroed_unused"] = lost
                 details.pop("zeroed_after", None)
@@ -258,7 +259,8 @@ class After:
             if result is not weights:
                 if len(self._copied) >= KEEP:
                     self._copied.clear()
-                self._copied[id(weights)] = empty.reshape(-1).nonzero().flatten().tolist()[:4096]
+                rows = empty.reshape(-1).nonzero().flatten().tolist()[:4096]
+                self._copied[id(weights)] = (rows, "where / nan_to_num")
 
     def _narrow(self, trace, out: torch.Tensor, other: torch.Tensor, entry: tuple) -> None:
         _, call, seen = entry
