@@ -619,3 +619,35 @@ def test_executorch_export_leaves_the_causal_mask_buffer_all_false(tmp_path):
     found = check_bug(tmp_path, "executorch_qwen3_5_moe_export_causal_mask_buffer_left_zero", "fully-masked")
     assert tuple(found[0]["cell"]) == first((1, 6, 16), lambda b, q, k: k <= q), found
     assert "the mask masks everything" in found[0]["message"], found
+
+
+ROWSDATA = Path(__file__).parent / "data" / "rows"
+
+
+def test_a_hybrid_models_causal_buffers_rebuilt_on_the_wrong_layers_after_meta_init(tmp_path):
+    """executorch#18380 written another way: a hybrid model (config.layer_types: three linear-attention layers, then
+    a full one, twice; a dataclass) built on meta, to_empty() and its buffers zeroed, the causal masks rebuilt where
+    i % full_attention_interval == 0, which are linear layers: the full layers' eager softmax over the static cache
+    sees no slot. The cell is a double loop's first cell a causal prefill keeps; the fix (the layer's own kind) is
+    quiet, and the all-False mask is read as no window (config.py's window-on-full-layer says nothing of it)."""
+    from checkbugs import traced
+
+    name = "hybrid_linear_full_meta_init_causal_buffer_rebuilt_on_wrong_layers"
+    found = check_bug(tmp_path, name, "fully-masked", ROWSDATA)
+    assert tuple(found[0]["cell"]) == first((2, 5, 12), lambda b, q, k: k <= q), found
+    assert "the mask masks everything (NaN weights there" in found[0]["message"], found
+    status, found, report = traced(tmp_path, name, False, ROWSDATA)
+    assert not [f for f in found if f["code"] == "window-on-full-layer"], report
+    status, found, report = traced(tmp_path, name, True, ROWSDATA)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_static_cache_mask_rebuilt_after_meta_init_with_left_pad_rows_sdpa_zeroes_is_quiet(tmp_path):
+    """Correct: meta init, buffers zeroed, each layer's mask rebuilt where it has one; a left-padded row's pad queries
+    see no key under causal & padding and SDPA gives them 0: a note, nothing wrong or suspicious."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "static_cache_meta_init_mask_rebuilt_left_pad_rows_sdpa_zero", False,
+                                   ROWSDATA)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert [f["severity"] for f in found if f["code"] == "fully-masked"] == ["note"], report
