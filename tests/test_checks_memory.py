@@ -482,3 +482,42 @@ def test_cfg_text_cross_kv_dict_left_padded_without_the_mask(tmp_path):
     real = (1, 6, 1, 3)
     assert tuple(hit["cell"]) == first((4, 1, 6), lambda b, q, k: k < 6 - real[b]), hit
     assert "cross_kv['k'] handed to AudioDecoderLayer.forward()" in hit["message"], hit["message"]
+
+
+def test_optimum_onnx_decoder_export_pops_the_encoder_attention_mask(tmp_path):
+    """huggingface/optimum#1076 (b4b9b77; written blind, batch blind-fb, caught before any rule was changed for it):
+    TextSeq2SeqOnnxConfig.inputs popped "attention_mask" for the decoder export, so the exported T5 decoder is run
+    with no encoder_attention_mask and its cross-attention sees the padded encoder positions. The first cell flagged
+    is a double loop's over the source ids at the pad id 0 (the tokenizer's right padding); the fix is quiet."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "optimum_onnx_seq2seq_decoder_export_drops_encoder_attention_mask",
+                    "encoder-padding-ignored")[0]
+    ids = [[5, 9, 13, 22, 7, 31, 40, 1], [8, 17, 3, 1, 0, 0, 0, 0]]
+    assert tuple(hit["cell"]) == first((2, 1, 8), lambda b, q, k: ids[b][k] == 0), hit
+    assert "the cross-attention mask drops the encoder's padding" in hit["message"], hit
+
+
+MEMORY = Path(__file__).parent / "data" / "memory"
+
+
+def test_a_decoder_step_export_wrapper_that_leaves_out_the_source_mask(tmp_path):
+    """optimum#1076 written another way: a hand-written encoder-decoder (an nn.MultiheadAttention encoder with its
+    key_padding_mask over a left-padded source, an eager masked_fill / softmax decoder, config a dataclass) exported
+    through a positional decoder-step wrapper whose signature has no source mask; its src_attn calls mask nothing and
+    the padding is read off the encoder's own mask. The first cell is a double loop's over the source's pad ids; the
+    fix (the wrapper takes and hands on the mask) is quiet."""
+    from checkbugs import check_bug
+
+    found = check_bug(tmp_path, "mha_encoder_decoder_step_export_wrapper_drops_source_mask", "encoder-padding-ignored",
+                      MEMORY)
+    src = [[0, 0, 0, 7, 12, 5, 9, 3], [4, 8, 15, 16, 23, 11, 6, 2], [0, 0, 0, 0, 0, 21, 13, 2]]
+    assert tuple(found[0]["cell"]) == first((3, 1, 8), lambda b, q, k: src[b][k] == 0), found
+    assert "encoder's own self-attention (model.encoder.1.self_attn) marks as padding" in found[0]["message"], found
+
+
+def test_a_decoder_step_export_wrapper_that_keeps_the_memory_padding_mask_is_quiet(tmp_path):
+    """Correct: nn.Transformer over a left-padded source, the exported decoder step handed memory_key_padding_mask
+    and passing it on to nn.TransformerDecoder: no finding that is wrong or suspicious."""
+    status, found, report = traced(tmp_path, "transformer_decoder_step_export_keeps_memory_padding_mask", False, MEMORY)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkbugs import check_bug, traced
+from checkbugs import check_bug, first, traced
 
 NANS = Path(__file__).parent / "data" / "nans"
 FIXQ2 = Path(__file__).parent / "data" / "fixq2"
@@ -184,3 +184,54 @@ def test_pair_mask_product_of_real_flags_with_heads_folded_into_the_batch(tmp_pa
     lengths = (6, 10, 3)
     real = [q for q in range(10) if q < lengths[0]]
     assert f"query rows {real[0]}-{real[-1]} of batch row 0" in hit["message"], hit
+
+
+def test_onnxscript_sdpa_bool_mask_lowering_without_its_nan_guard(tmp_path):
+    """microsoft/onnxscript#2479 (ecb7677; written blind, batch blind-fb, caught before any rule was changed for it):
+    torch_lib's SDPA with a bool mask adds Where(mask, 0, -inf) before a plain Softmax, so a left-padded row's pad
+    queries (causal & padding) are NaN, which the next layer's real queries of that row read as keys. The cell is a
+    double loop's first real query over a padded key it reaches causally; the fix (Where(IsNaN(w), 0, w) after the
+    Softmax, read by trace/after.py as those rows zeroed) is quiet."""
+    [hit] = check_bug(tmp_path, "onnxscript_torchlib_sdpa_bool_mask_fully_masked_rows_nan", "nan-spread")
+    real = [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: real[b][q] and not real[b][k] and k <= q), hit
+    assert "query rows 2-5 of batch row 0 are NaN" in hit["message"], hit
+    status, found, report = traced(tmp_path, "onnxscript_torchlib_sdpa_bool_mask_fully_masked_rows_nan", True)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_bf16_sdpa_decomposition_without_the_nan_guard_over_left_padding(tmp_path):
+    """onnxscript#2479 written another way: a backend's decomposition table entry for SDPA, where(mask, 0, -inf)
+    added to einsum logits and a plain softmax, run eagerly in bfloat16 on a (B, T, H, D) model, config a dict, three
+    left-padded rows. Row 0's pad queries are NaN at the first layer and its real queries score NaN against them at
+    the second. The cell is a double loop's first real query over a padded key it reaches causally; the fix
+    (nan_to_num of the weights, read by trace/after.py as those rows zeroed) is quiet, with nothing suspicious."""
+    name = "bf16_sdpa_decomposition_where_bool_mask_left_pad_rows_nan"
+    found = check_bug(tmp_path, name, "nan-spread", NANS)
+    ids = [[0, 0, 0, 11, 7, 30, 2], [0, 19, 4, 4, 22, 9, 17], [13, 5, 8, 41, 3, 6, 10]]
+    real = [[i != 0 for i in row] for row in ids]
+    assert tuple(found[0]["cell"]) == first((3, 7, 7), lambda b, q, k: real[b][q] and not real[b][k] and k <= q), found
+    assert "query rows 3-6 of batch row 0 are NaN" in found[0]["message"], found
+    status, found, report = traced(tmp_path, name, True, NANS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_decomposition_over_a_mask_with_its_unattended_rows_unmasked_is_quiet(tmp_path):
+    """Correct: the same unguarded where(mask, 0, -inf) decomposition over left padding, its 4-D mask's rows with no
+    key unmasked first (transformers' _unmask_unattended): no softmax over all -inf, nothing wrong or suspicious."""
+    status, found, report = traced(tmp_path, "sdpa_decomposition_unmasks_unattended_left_pad_rows", False, NANS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_weights_zeroed_by_where_isnan_in_a_copy_the_product_does_not_read(tmp_path):
+    """The NaN guard computed (where(isnan(w), 0, w)) but the product with the values reads the softmax's own weights:
+    the rows are not zeroed (trace/after.py remembers the copy, as an out-of-place masked_fill's): nan-spread at the
+    next layer's real queries of the left-padded row, and zeroing-lost names the guard; reading the copy is quiet."""
+    name = "where_isnan_weights_computed_but_product_reads_the_softmax"
+    found = check_bug(tmp_path, name, "nan-spread", NANS)
+    real = [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert tuple(found[0]["cell"]) == first((2, 5, 5), lambda b, q, k: real[b][q] and not real[b][k] and k <= q), found
+    status, found, report = traced(tmp_path, name, False, NANS)
+    assert any(f["code"] == "zeroing-lost" and "out-of-place where / nan_to_num" in f["message"] for f in found), report
+    status, found, report = traced(tmp_path, name, True, NANS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

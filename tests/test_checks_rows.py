@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from checkbugs import check_bug
+from checkbugs import check_bug, first
 from maskcli import tracefile
 from maskcli.checks.rows import empty_rows, given_empty_rows, given_later, later
 
@@ -609,3 +609,45 @@ def test_a_tile_of_a_blockwise_kernel_is_read_at_its_places():
     assert later(*call(causal, "softmax", tile=tile), None) == []
     [found] = later(*call(at_places(1), "softmax", tile=tile), None)
     assert found.code == "sees-later"
+
+
+def test_executorch_export_leaves_the_causal_mask_buffer_all_false(tmp_path):
+    """pytorch/executorch#18380 (07b7c7e; written blind, batch blind-fb, caught before any rule was changed for it):
+    _materialize_buffers zero-fills the meta buffers and rebuilds the tril mask only where isinstance(layer.attn,
+    FullAttention), False for model.py imported under another path: the static-cache SDPA gets an all-False mask. The
+    cell is a double loop's first cell a causal prefill over the 16-slot cache keeps (every one is hidden)."""
+    found = check_bug(tmp_path, "executorch_qwen3_5_moe_export_causal_mask_buffer_left_zero", "fully-masked")
+    assert tuple(found[0]["cell"]) == first((1, 6, 16), lambda b, q, k: k <= q), found
+    assert "the mask masks everything" in found[0]["message"], found
+
+
+ROWSDATA = Path(__file__).parent / "data" / "rows"
+
+
+def test_a_hybrid_models_causal_buffers_rebuilt_on_the_wrong_layers_after_meta_init(tmp_path):
+    """executorch#18380 written another way: a hybrid model (config.layer_types: three linear-attention layers, then
+    a full one, twice; a dataclass) built on meta, to_empty() and its buffers zeroed, the causal masks rebuilt where
+    i % full_attention_interval == 0, which are linear layers: the full layers' eager softmax over the static cache
+    sees no slot. The cell is a double loop's first cell a causal prefill keeps; the fix (the layer's own kind) is
+    quiet, and the all-False mask is read as no window (config.py's window-on-full-layer says nothing of it)."""
+    from checkbugs import traced
+
+    name = "hybrid_linear_full_meta_init_causal_buffer_rebuilt_on_wrong_layers"
+    found = check_bug(tmp_path, name, "fully-masked", ROWSDATA)
+    assert tuple(found[0]["cell"]) == first((2, 5, 12), lambda b, q, k: k <= q), found
+    assert "the mask masks everything (NaN weights there" in found[0]["message"], found
+    status, found, report = traced(tmp_path, name, False, ROWSDATA)
+    assert not [f for f in found if f["code"] == "window-on-full-layer"], report
+    status, found, report = traced(tmp_path, name, True, ROWSDATA)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_static_cache_mask_rebuilt_after_meta_init_with_left_pad_rows_sdpa_zeroes_is_quiet(tmp_path):
+    """Correct: meta init, buffers zeroed, each layer's mask rebuilt where it has one; a left-padded row's pad queries
+    see no key under causal & padding and SDPA gives them 0: a note, nothing wrong or suspicious."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "static_cache_meta_init_mask_rebuilt_left_pad_rows_sdpa_zero", False,
+                                   ROWSDATA)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert [f["severity"] for f in found if f["code"] == "fully-masked"] == ["note"], report

@@ -281,7 +281,7 @@ def full_layers(run: Run) -> list:
         if stated_size is not None:
             sizes = [w for w in (stated_size[0], stated_size[0] + 1, stated_size[0] - 1) if w >= 1]
         elif stated.says_full() and not both:
-            sizes = [_widest(placed)]  # no window stated (use_sliding_window=False): any window contradicts
+            sizes = [w for w in (_widest(placed),) if w >= 1]  # none stated: any window contradicts (no key: no window)
         else:
             continue
         shapes = ("band", "window") if both else ("window",)

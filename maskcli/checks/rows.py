@@ -52,7 +52,8 @@ def empty_rows(call, stored: dict, structure) -> list[Finding]:
         # 2w + 1) read as (B, H, Lq, Lk), have their padded positions zeroed on the axis read as heads)
         return [Finding("fully-masked", f"every query of every batch row sees no key at all, in a self-attention whose "
                         f"queries are its own keys: the mask masks everything ({what_api_does(call)})", "wrong",
-                        expected="each query sees at least its own key")]
+                        expected="each query sees at least its own key", cell=(0, 0, 0))]  # (its first cell,
+        # masked as every other is)
     orphan = real_but_empty(call, stored, empty)
     whole = context_masked_whole(call, stored, empty, what_api_does(call))
     if whole is not None:

@@ -60,8 +60,8 @@ def zeroing_lost(run) -> list:
         batch = sorted({int(i) // (h_len * q_len) for i in lost.get("rows") or ()}) if b_len > 1 else [0]
         found.append((call, Finding("zeroing-lost", (
             f"the program zeroes the weights of query rows {spans(rows)} (batch rows {spans(batch)}) after the softmax "
-            f"with an out-of-place masked_fill whose result is never used: the product with the values reads the "
-            f"softmax's own weights, so those rows still attend ({_what(call)}); assign it "
+            f"with an out-of-place {lost.get('by') or 'masked_fill'} whose result is never used: the product with the "
+            f"values reads the softmax's own weights, so those rows still attend ({_what(call)}); assign it "
             "(`attn = attn.masked_fill(...)`) or use masked_fill_"),
             expected="those query rows' weights 0, as the program's masked_fill states",
             source="masked_fill(weights, rows, 0) after the softmax, its result dropped")))

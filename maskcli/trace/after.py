@@ -62,7 +62,7 @@ class After:
 
     def __init__(self):
         self._found: dict[int, tuple] = {}
-        self._copied: dict[int, list] = {}  # id(weights) -> the rows an out-of-place masked_fill zeroed in a copy
+        self._copied: dict[int, tuple] = {}  # id(weights) -> (the rows an out-of-place fill zeroed in a copy, its op)
         self._read: set[int] = set()  # id(weights) already read by weights @ values: a product after it is no mask
 
     def note(self, out, call, seen) -> None:
@@ -148,7 +148,7 @@ class After:
                 if bool(whole.any()):
                     if len(self._copied) >= KEEP:
                         self._copied.clear()
-                    self._copied[id(args[0])] = whole.reshape(-1).nonzero().flatten().tolist()[:4096]
+                    self._copied[id(args[0])] = (whole.reshape(-1).nonzero().flatten().tolist()[:4096], "masked_fill")
             empty = ~seen.keep.any(dim=-1)  # (.., Lq): the rows a softmax of all -inf makes NaN
             if bool(empty.any()) and bool(where[empty].all()):
                 call.details["zeroed_after"] = True
@@ -173,9 +173,10 @@ class After:
         if len(self._read) >= KEEP:
             self._read.clear()
         self._read.add(id(weights))
-        rows = self._copied.pop(id(weights), None)
-        if rows is not None:
-            lost = {"rows": rows, "cells": len(rows)}
+        copied = self._copied.pop(id(weights), None)
+        if copied is not None:
+            rows, how = copied
+            lost = {"rows": rows, "cells": len(rows), "by": how}
             for details in (call.details, seen.details):
                 details["zeroed_unused"] = lost
                 details.pop("zeroed_after", None)
@@ -226,6 +227,10 @@ class After:
         result is 0 in every row its softmax left no key: those NaN rows zeroed (zeroed_output), as a masked_fill is."""
         operands = args[1:3] if func is torch.where else args[:1] if func is not torch.Tensor.where else args[:3:2]
         for operand in operands:
+            entry = self._found.get(id(operand)) if isinstance(operand, torch.Tensor) else None
+            if entry is not None and entry[0]() is operand:  # (the weights themselves: onnxscript's Softmax lowering)
+                self._weights_zeroed(operand, operand if out is None else out, entry)
+                return
             entry = self._found.get(("output", id(operand))) if isinstance(operand, torch.Tensor) else None
             if entry is None or entry[0]() is not operand:
                 continue
@@ -236,6 +241,26 @@ class After:
                     if _zero_where(result, empty):
                         call.details["zeroed_output"] = seen.details["zeroed_output"] = True
             return
+
+    def _weights_zeroed(self, weights: torch.Tensor, result, entry: tuple) -> None:
+        """where(isnan(weights), 0, weights) or nan_to_num(weights) of a followed softmax output (onnxscript ecb7677's
+        `Where(IsNaN(attn_weight), 0, attn_weight)` after its Softmax) whose result is 0 in every row the softmax left
+        no key: those NaN rows zeroed (zeroed_after), as a masked_fill with 0 zeroes them. Out of place, the rows are
+        remembered as a masked_fill's copy is: a product that reads the weights themselves afterwards lost them."""
+        _, call, seen = entry
+        if not isinstance(result, torch.Tensor) or result.shape != weights.shape or result.numel() != seen.keep.numel() \
+                or not result.is_floating_point():
+            return
+        with torch.no_grad():
+            empty = ~seen.keep.any(dim=-1)  # (.., Lq): the rows a softmax of all -inf makes NaN
+            if not bool(empty.any()) or not bool((result.reshape(seen.keep.shape)[empty] == 0).all()):
+                return
+            call.details["zeroed_after"] = seen.details["zeroed_after"] = True
+            if result is not weights:
+                if len(self._copied) >= KEEP:
+                    self._copied.clear()
+                rows = empty.reshape(-1).nonzero().flatten().tolist()[:4096]
+                self._copied[id(weights)] = (rows, "where / nan_to_num")
 
     def _narrow(self, trace, out: torch.Tensor, other: torch.Tensor, entry: tuple) -> None:
         _, call, seen = entry
