@@ -246,3 +246,23 @@ def test_gritlm_embedding_pass_handed_is_causal_false_is_quiet(tmp_path):
     status, found, report = traced(tmp_path, "quiet_gritlm_unified_bidirectional_embed_causal_gen", False, blind)
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
+
+
+def test_pno_ai_causal_mask_applied_only_when_the_caller_hands_one(tmp_path):
+    # chathasphere/pno-ai 316faa3 (written blind, batch blind-ez; caught before any rule was changed for it):
+    # MultiheadedAttention masked only with the caller's mask; generate.sample() calls model(input_tensor) with none,
+    # so the decoder whose module holds subsequent_mask() attends both ways while sampling
+    found = check_bug(tmp_path, "pno_ai_attention_causal_mask_only_from_caller", "decoder-mask-not-causal")
+    assert tuple(found[0]["cell"]) == first((4, 6, 6), lambda b, q, k: k > q)  # 1 prompt x 4 heads (bmm), 6 tokens
+    assert "subsequent_mask() beside DecoderLayer" in found[0]["message"] and "(60 such cells)" in found[0]["message"]
+
+
+def test_an_sdpa_decoder_that_masks_only_with_the_training_mask_samples_both_ways(tmp_path):
+    # the same bug written another way: SDPA blocks with attn_mask=None by default, the causal & padding mask built by
+    # the training code only, a dataclass config; the sampler calls model(ids)
+    found = check_bug(tmp_path, "sdpa_decoder_causal_only_from_training_mask", "decoder-mask-not-causal",
+                      folder=DIRECTIONS)
+    assert tuple(found[0]["cell"]) == first((1, 4, 4), lambda b, q, k: k > q)  # the 4-token prompt, first step
+    assert "generate_square_subsequent_mask() beside DecoderBlock" in found[0]["message"]
+    status, findings, report = traced(tmp_path, "sdpa_decoder_causal_only_from_training_mask", True, DIRECTIONS)
+    assert [f for f in findings if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -1013,3 +1013,25 @@ def test_an_action_heads_cross_attention_never_handed_the_left_padded_language_m
     pads = (0, 4)  # prompts of 7 and 3 tokens, left-padded to 7
     assert tuple(found[0]["cell"]) == first((2, 4, 7), lambda b, q, k: k < pads[b])
     assert 'observation["language_attention_mask"]' in found[0]["message"]
+
+
+def test_perceiver_ar_step_drops_the_collators_pad_mask(tmp_path):
+    """krasserm/perceiver-io 6b2a825 (PR #25; written blind, batch blind-ez, caught before any rule was changed for
+    it): the step dropped the collator's pad mask and PerceiverAR's forward never applied the `pad_mask` it takes, so
+    the latents' causal cross-attention to the left-padded prefix saw the padding."""
+    found = check_bug(tmp_path, "perceiver_io_perceiver_ar_pad_mask_dropped", "padding-unused")
+    pads, latents = (0, 8), 8  # 24 and 16 real tokens left-padded to 24; the 8 latents are the last 8 positions
+    hit = next(f for f in found if tuple(f["cell"][:1]) == (1,))
+    assert tuple(hit["cell"]) == first((2, latents, 24), lambda b, q, k: k < pads[b] and k <= q + 24 - latents)
+    assert "pad_mask in forward()" in hit["message"] and "built and never handed on" in hit["message"]
+
+
+def test_a_training_step_that_drops_a_left_padded_batch_dicts_attention_mask(tmp_path):
+    """The same bug written another way: SDPA is_causal=True over a left-padded batch dict whose attention_mask the
+    training step never hands the model (`model(batch["input_ids"])`)."""
+    found = check_bug(tmp_path, "left_padded_lm_step_drops_collator_attention_mask", "padding-unused", folder=HELD)
+    pads = (4, 0, 2)  # 6, 10 and 8 tokens left-padded to 10
+    assert tuple(found[0]["cell"]) == first((3, 10, 10), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
+    assert 'batch["attention_mask"] in training_step()' in found[0]["message"]
+    status, findings, report = traced(tmp_path, "left_padded_lm_step_drops_collator_attention_mask", True, HELD)
+    assert [f for f in findings if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -514,3 +514,40 @@ def test_a_hand_made_padding_mask_over_filler_ids_is_no_masked_text():
     stated = at_pad.copy()
     stated[1, 9] = True  # the ids state padding with the pad id somewhere: they speak, the mask is judged against them
     assert not _filler(stated, given, None)
+
+
+def test_a_compound_word_lm_whose_config_picks_non_causal_linear_attention_is_found(tmp_path):
+    # s-omranpour/MIDI-Transformer#1 (written blind, batch blind-ez): self_attention_type "linear" built a FullMask and
+    # fast-transformers' LinearAttention, einsum("nshd,nshm->nhmd", φ(K), V) summed over every key, while each field's
+    # head is trained on the next compound token's field (labels = seq[:, 1:], X = seq[:, :-1])
+    found = check_bug(tmp_path, "midi_transformer_cp_encoder_linear_attention_not_causal", "sees-its-target")
+    assert tuple(found[0]["cell"]) == first((2, 16, 16), lambda b, q, k: k == q + 1)  # unpadded, every target counted
+    assert "input ids of CPTransformer shifted by one; 30 such queries" in found[0]["message"]  # 15 a row
+    assert "linear attention sums φ(k) vᵀ over every key" in found[0]["message"]
+
+
+def test_a_positive_feature_linear_lm_sequence_first_summed_over_every_key_is_found(tmp_path):
+    found = check_bug(tmp_path, "positive_feature_lm_seq_first_kv_summed_over_every_key", "sees-its-target",
+                      folder=TOKENS)
+    lengths = (9, 6, 8)  # sentences, right-padded with 0 (the loss's ignore_index); data = [:-1], targets = [1:]
+    counted = [(b, q) for b in range(3) for q in range(7) if q + 1 < lengths[b]]  # q's target is word q + 1
+    assert tuple(found[0]["cell"]) == first((3, 8, 8), lambda b, q, k: k == q + 1 and (b, q) in counted)
+    assert f"input ids of WordLM shifted by one; {len(counted)} such queries" in found[0]["message"]
+
+
+def test_a_bidirectional_linear_attention_encoder_on_a_masked_token_loss_is_quiet(tmp_path):
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "linear_attention_mlm_encoder_bidirectional", False, TOKENS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert "padding (--lengths 10,7 --pad left)" in report  # the linear attention read, its zeroed keys unseen
+
+
+def test_a_linear_attentions_key_summary_is_read_from_its_equation_alone():
+    from maskcli.trace.linearattn import _summary
+
+    assert _summary("nshd,nshm->nhmd", (4, 4)) == (1, (0, 2))  # fast-transformers: summed over s, kept n and h
+    assert _summary("...nd,...ne->...de", (4, 4)) is not None  # lucidrains', leading axes unnamed
+    assert _summary("bhqd,bhkd->bhqk", (4, 4)) is None  # q @ kᵀ: summed over the features
+    assert _summary("bhqk,bhkd->bhqd", (4, 4)) is None  # the weights @ v: the weights' own axis is no feature
+    assert _summary("nhld,nhlm->nhldm", (4, 4)) is None  # the causal form's outer products (then a prefix sum)

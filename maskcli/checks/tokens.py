@@ -26,7 +26,9 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
   to predict (pytorch/tutorials#2478: the word-language-model tutorial ran nn.TransformerEncoder without its
   square subsequent mask). Only positions whose target the loss counts are judged (a prefix whose labels are
   ignored may attend both ways). A real query that sees no key under a finite fill weighs every key alike, its
-  target among them (swiss-ai/Megatron-LM#40: every BOS row masked, filled with -10000).
+  target among them (swiss-ai/Megatron-LM#40: every BOS row masked, filled with -10000). A feature-map linear
+  attention summed over every key is a call that sees them all (trace/linearattn.py), and a compound-word model's
+  (B, L, F) ids are read field by field (trace/fieldids.py: MIDI-Transformer#1, `self_attention_type: linear`).
 - padding-inverted: a padding mask the model call is given (`padding_mask`, `key_padding_mask`, `pad_mask`: True
   = padding; `attention_mask`: 1 = real) over the same (batch, length) as a float input whose samples are exactly 0
   in one run at an edge of each padded row (F.pad's zeros), and the mask calls padding exactly the samples that are
@@ -55,6 +57,8 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 TOKENS = ("input_ids", "idx", "tokens")
+LINEAR = ("; its linear attention sums φ(k) vᵀ over every key (a non-causal feature-map attention, trace/linearattn.py), "
+          "where a causal one takes a prefix sum over the keys")
 
 
 def _pad(arguments: dict) -> tuple[int, str] | None:
@@ -282,7 +286,8 @@ def targets(run: Run) -> list:
                 found.append((call, Finding("sees-its-target", (
                     f"batch row {b}: query {q} {how}, the token its loss asks it to predict (the targets of the "
                     f"program's loss are the input ids of {top.where} shifted by one; {int(bad.sum())} such queries): "
-                    f"a next-token model needs a causal mask"), expected="causal", source="the loss's targets",
+                    f"a next-token model needs a causal mask" + (LINEAR if call.details.get("by_hand") == "linear" else "")),
+                    expected="causal", source="the loss's targets",
                     cell=(b, q, k))))
                 break
     return found

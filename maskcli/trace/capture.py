@@ -27,7 +27,7 @@ import maskcli.trace.padfill as padfill
 import maskcli.trace.namedmasks as namedmasks
 import maskcli.trace.offgrid as offgrid
 import maskcli.trace.poolspan as poolspan, maskcli.trace.padend as padend  # (the last: samples beside a held mask)
-import maskcli.trace.convpad as convpad
+import maskcli.trace.convpad as convpad, maskcli.trace.linearattn as linearattn  # (Σ φ(k) vᵀ: no softmax)
 from maskcli.trace.masks import Call, Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced, said as _said
 from maskcli.trace.outer import Outer
@@ -91,9 +91,9 @@ class Trace(Outer, Follow):
         if self.scores is not None:
             self.readers[torch.exp] = self.readers[torch.Tensor.exp] = readers.exp_reader(self.scores, self.weights)
             from maskcli.trace.pointwise import ACTIVATIONS, activation_reader
-
             for func, name in ACTIVATIONS.items():  # (silu(q @ kᵀ): HSTU's attention, no softmax)
                 self.readers[entry.canonical(func)] = activation_reader(self.scores, self.weights, name)
+            self.readers[torch.einsum] = linearattn.read  # (a linear attention's Σ φ(k) vᵀ over every key)
 
         self._softmax = None  # (the (call, seen) of the softmax just recorded, for the mode to follow its output)
         self.singles = Singles()  # (the lines that softmax one element, and whether over more too: singleton.py)

@@ -171,6 +171,8 @@ class Follow:
     def _before(self, reader, args: tuple, kwargs: dict):
         """Record an attention call before it runs: (the index it is recorded at, (call, seen) of a softmax read, else
         None); None where it is no attention (a softmax over no scores), _WHOLE where its interface records it."""
+        if getattr(reader, "wanted", None) is not None and not reader.wanted(args, kwargs):
+            return None  # (an einsum that is no linear attention's key summary: its equation says so, trace/linearattn.py)
         if getattr(reader, "of_scores", False) and not self.scores.has(readers.softmax_input(args, kwargs)):
             return None  # (an exp or activation of no q @ kᵀ, a feed-forward's silu: no call, known before a frame is read)
         given = readers.softmax_input(args, kwargs) if reader is readers.softmax else None

@@ -45,8 +45,7 @@ def watched(trace) -> dict:
             return None
         found = _counted(target.detach().cpu().numpy().astype(np.int64), weight, ignore)
         for top in reversed(trace.tops[-RECENT:]):
-            ids = next((top.arguments[n] for n in IDS if isinstance(top.arguments.get(n), np.ndarray)), None)
-            shifted = None if ids is None or ids.ndim != 2 or "next_token" in top.arguments else _shifted(found, ids, ignore)
+            shifted = None if "next_token" in top.arguments else _of_ids(found, top.arguments, ignore)
             if shifted is not None:
                 top.arguments["next_token"] = shifted
                 break
@@ -58,11 +57,25 @@ def watched(trace) -> dict:
 
 def inside(top, losses) -> None:
     """The targets of losses the model call computed in its own forward (a model given `labels`), read against its ids."""
-    ids = next((top.arguments[n] for n in IDS if isinstance(top.arguments.get(n), np.ndarray)), None)
     for found, ignore in losses:
-        shifted = None if ids is None or ids.ndim != 2 or "next_token" in top.arguments else _shifted(found, ids, ignore)
+        shifted = None if "next_token" in top.arguments else _of_ids(found, top.arguments, ignore)
         if shifted is not None:
             top.arguments["next_token"] = shifted
+
+
+def _of_ids(target: np.ndarray, arguments: dict, ignore: int) -> tuple[int, np.ndarray] | None:
+    """_shifted against the model call's ids: those kept by name, else each field of a compound-word model's (B, L, F)
+    ids (trace/fieldids.py: a field's head trained on the next position's field)."""
+    ids = next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray)), None)
+    if ids is not None:
+        return _shifted(target, ids, ignore) if ids.ndim == 2 else None
+    fields = arguments.get("field_ids")
+    if isinstance(fields, tuple) and target.ndim == 2 and target.shape[0] == fields[1].shape[0]:
+        for field in range(fields[1].shape[-1]):
+            found = _shifted(target, fields[1][..., field], ignore)
+            if found is not None and found[0] == 1:  # (batch-first, as the fields' own axes are)
+                return found
+    return None
 
 
 def _loss_mask(target: torch.Tensor) -> np.ndarray | None:

@@ -21,6 +21,7 @@ from maskcli.checks.intent import StaticView, dynamic, read
 from maskcli.trace.causalarg import causal_arg
 from maskcli.trace.constants import main_constants
 from maskcli.trace.embedids import embed_ids, float_mask
+from maskcli.trace.fieldids import field_ids
 from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
@@ -128,7 +129,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
             and (v.dtype == torch.bool or v.is_floating_point()) for v in given.values()):
         found["is_causal"] = given["is_causal"]  # (the caller's own word, handed explicitly and beside no (L, L) mask
         # of its own, whose cells say what is seen: checks/callcausal.py)
-    found.update(_first_ids(signature, given, found))
+    found.update(_first_ids(signature, given, found) or field_ids(signature, given, found, MOST))  # (or (B, L, F))
     found.update(held_ids(given, module, found))  # (ids inside a batch dict, `model(x)`: trace/heldids.py)
     found.update(_token_ids(module))
     found.update(nested_ids(given, found))  # (ids of more axes beside that pad id: RETRO's neighbours)
@@ -224,9 +225,8 @@ IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "
 
 
 def _first_ids(signature, given: dict, found: dict) -> dict:
-    """{"first_ids": (name, (B, L) ids)}: the call's first argument where it is a 2-D integer tensor under a name none of
-    ARGUMENTS' (a hand-written model's `forward(self, x)`), where no ids were kept by name (checks/batchaxis.py reads
-    which of its axes the program pads along)."""
+    """{"first_ids": (name, (B, L) ids)}: the call's first argument as 2-D integer ids under a name none of ARGUMENTS'
+    (a hand-written `forward(self, x)`), where none were kept by name (checks/batchaxis.py: its axes padded along)."""
     if signature is None or any(name in found for name in IDS):
         return {}
     name = next((n for n in signature.parameters if n != "self"), None)
