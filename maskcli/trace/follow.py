@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+import maskcli.trace.keyrows as keyrows
 import maskcli.trace.masks as readers
 from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.layouts import heads_first, reader as laid
@@ -261,6 +262,8 @@ class Follow:
                 self.scores.sliced_of(readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.biased:  # a bias added to the scores (trace/posbias.py)
                 bias_of(self.scores.biased, self.scores.has, readers.softmax_input(args, kwargs), *softmaxed)
+            if self.scores is not None and self.scores.keyrows:  # a decode query's keys per row (trace/keyrows.py)
+                keyrows.of(self.scores, readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.tiles:  # one tile of a larger attention (trace/tiled.py)
                 self.scores.tile_of(readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.regrouped.pending is not None:  # q or k regrouped (regrouped.py)

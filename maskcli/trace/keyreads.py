@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+import maskcli.trace.keyrows as keyrows
 import maskcli.trace.keyscale as keyscale
 import maskcli.trace.slotwrites as slotwrites
 from maskcli.trace.fillkv import edge_kv
@@ -25,7 +26,7 @@ def key_reads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple,
     found = {**found, **zero_keys(k, v, k_shape, edges)} if "zero_kv" not in found else found
     wrote = slotwrites.written(q.shape[-2], k, v, k_shape)
     blended = sink_blend(keyscale.last_keys(k_shape), k, k_shape)  # (before keys_rescaled keeps this call's keys)
-    return {**found, **wrote, **blended, **keyscale.keys_rescaled(k, k_shape)}
+    return {**found, **wrote, **blended, **keyscale.keys_rescaled(k, k_shape), **keyrows.sdpa_rows(tuple(q.shape), k)}
 
 
 at = keyscale.at  # (capture.py names the site of the call about to be read: keys_rescaled compares within a site)

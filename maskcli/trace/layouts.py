@@ -151,3 +151,17 @@ def heads_first(softmax, scores, args: tuple, kwargs: dict, heads):
 
     turned.api = "softmax"
     return turned
+
+
+def query_by_key(equation) -> bool:
+    """An einsum whose output ends in a query index of one operand and a key index of the other (q @ kᵀ:
+    "bhqd,bhkd->bhqk"); not one whose last two output indexes an operand shares (a band of keys gathered per position,
+    "blhd,blhdj->blhj": its "queries" are the heads). An equation not read as such is taken as q @ kᵀ."""
+    if not isinstance(equation, str) or "->" not in equation:
+        return True
+    given, out = equation.replace(" ", "").replace("...", "").split("->")
+    parts = given.split(",")
+    if len(out) < 2 or len(parts) != 2:
+        return True
+    query, key = out[-2], out[-1]  # (scores laid out otherwise, Transformer-XL's "ibnd,jbnd->ijbn": layouts.py)
+    return (query in parts[0]) != (query in parts[1]) and (key in parts[0]) != (key in parts[1])

@@ -22,7 +22,8 @@ import torch
 from maskcli.trace.copiedfold import copied_fold
 from maskcli.trace.followed import operands_of
 from maskcli.trace.headadded import heads_apart
-from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
+from maskcli.trace.keyrows import key_rows, noted
+from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes, query_by_key as _query_by_key
 from maskcli.trace.posbias import addend as pos_addend, carried as carried_bias
 from maskcli.trace.regrouped import Pending
 from maskcli.trace.weakfill import WHERES, carry
@@ -60,6 +61,7 @@ class Scores:
         self.tiles: dict[int, list] = {}  # id -> the batch, query and key spans of scores of one tile (tiled.py)
         self.shifted: dict[int, tuple] = {}  # id -> (a weak reference, rows filled whole) of scores less their row max
         self.regrouped = Pending()  # the last q @ kᵀ whose q or k was viewed with heads before positions (regrouped.py)
+        self.keyrows: dict[int, object] = {}  # id -> one decode query's key fingerprint per row and key (keyrows.py)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -98,6 +100,8 @@ class Scores:
                     if cut is not None and tail(operands[0]) != cut:  # (q @ kᵀ over keys sliced off a cache's tail:
                         # trace/sliced.py; q sliced alike is a packed batch's last request, its own keys)
                         self.sliced[id(out)] = cut
+                    if out.shape[-2] == 1 and len(operands) == 2 and func is not torch.einsum:  # (a decode step)
+                        noted(self.keyrows, out, key_rows(operands[1], turned=True))
                 else:  # (the equation states another axis order: Transformer-XL's "ibnd,jbnd->ijbn")
                     axes = einsum_axes(args[0], out.dim())
                     if axes is not None:
@@ -141,8 +145,9 @@ class Scores:
                     if rows is not None:  # (a row filled whole, shifted by its max: read as no key, shifted.py)
                         self.shifted = {} if len(self.shifted) >= KEEP else self.shifted
                         self.shifted[id(out)] = (weakref.ref(out), rows)
-                    if self.sliced and axes is None and id(x) in self.sliced:
-                        self.sliced[id(out)] = self.sliced[id(x)]
+                    for facts in (self.sliced, self.keyrows) if axes is None else ():  # (kᵀ a cache's tail: sliced.py;
+                        if facts and id(x) in facts:  # a decode query's keys per row: keyrows.py)
+                            facts[id(out)] = facts[id(x)]
                     if func in ADDS and addend is None:
                         addend = _zero_one(args, x, out)
                     if addend is not None and axes is None:
@@ -210,7 +215,7 @@ class Scores:
 
     def _note(self, tensor: torch.Tensor, axes: tuple | None = None, matrix: bool = False) -> None:
         found, laid, matrices = self._found, self.axes, self.matrices  # (one dict for the trace's life: the mode reads
-        per_id = (self.added, self.folds, self.weak, self.sliced, self.tiles, self.biased)  # (facts by a tensor's id)
+        per_id = (self.added, self.folds, self.weak, self.sliced, self.tiles, self.biased, self.keyrows)  # (facts by a tensor's id)
         if len(found) >= KEEP:  # it as "following")
             found.clear()
             laid.clear()
@@ -363,20 +368,6 @@ def _one_query(scores, out: torch.Tensor) -> bool:
     """`out` (B, Lk) is 3-D scores (B, Lk, 1) or (B, 1, Lk) with their one query's dimension dropped."""
     return isinstance(scores, torch.Tensor) and scores.dim() == 3 and 1 in scores.shape[1:] \
         and out.shape[0] == scores.shape[0] and out.shape[1] == scores.shape[1] * scores.shape[2]
-
-
-def _query_by_key(equation) -> bool:
-    """An einsum whose output ends in a query index of one operand and a key index of the other (q @ kᵀ:
-    "bhqd,bhkd->bhqk"); not one whose last two output indexes an operand shares (a band of keys gathered per position,
-    "blhd,blhdj->blhj": its "queries" are the heads). An equation not read as such is taken as q @ kᵀ."""
-    if not isinstance(equation, str) or "->" not in equation:
-        return True
-    given, out = equation.replace(" ", "").replace("...", "").split("->")
-    parts = given.split(",")
-    if len(out) < 2 or len(parts) != 2:
-        return True
-    query, key = out[-2], out[-1]  # (scores laid out otherwise, Transformer-XL's "ibnd,jbnd->ijbn": layouts.py)
-    return (query in parts[0]) != (query in parts[1]) and (key in parts[0]) != (key in parts[1])
 
 
 def banded(shape: tuple, stack: list) -> bool:
