@@ -53,3 +53,34 @@ def test_feature_tokens_permuted_to_samples(tmp_path):
     found = check_bug(tmp_path, "feature_tokens_permuted_to_samples_sdpa", "batch-axis-attended", BATCH)
     assert "5 samples given to TableNet" in found[0]["message"] and "sample 2 alone" in found[0]["message"]
     assert tuple(found[0]["cell"]) == first((7, 5, 5), lambda b, q, k: q != k)
+
+
+def test_torch_rechub_bst_encoder_batch_axis(tmp_path):
+    """datawhalechina/torch-rechub PR #195: BST's nn.TransformerEncoderLayer built without batch_first=True, handed
+    (batch, history + target, embed). No ids by a known name and no pad id the embeddings state: the batch dict's
+    fields (a user id, a gender and a target item, one value per sample, beside the (16, 50) history) state that 16 is
+    the batch; the calls' 16 keys are the samples, their 51 batch rows the history and the target of each."""
+    found = check_bug(tmp_path, "torch_rechub_bst_encoder_batch_axis_as_sequence", "batch-axis-attended")
+    message = found[0]["message"]
+    assert "16 keys are the 16 samples of the fields given to BST" in message and "51 batch rows" in message
+    # batch_first=False reads (L, N, E) = (16, 51, 16): batch row b is history slot b of every user, query q and key k
+    # are users; a user's own cell (q == k) is the only one the upstream fix (one user's tokens) keeps
+    assert tuple(found[0]["cell"]) == first((51, 16, 16), lambda b, q, k: q != k)
+
+
+def test_time_major_block_handed_batch_first(tmp_path):
+    """Written another way: a fairseq-style time-major block on SDPA handed (batch, seq + 1, embed), the features
+    handed one by one (user, right-padded history, target), sizes in a dataclass; the fix hands it the transpose."""
+    found = check_bug(tmp_path, "time_major_block_handed_batch_first_sdpa", "batch-axis-attended", BATCH)
+    message = found[0]["message"]
+    assert "6 samples of the fields given to SeqRec" in message and "`user_id` one value per sample" in message
+    assert tuple(found[0]["cell"]) == first((10, 6, 6), lambda b, q, k: q != k)
+    status, found, report = traced(tmp_path, "time_major_block_handed_batch_first_sdpa", True, BATCH)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_feature_dict_intersample_quiet(tmp_path):
+    """Correct: a batch dict of per-sample features, field attention with as many fields as samples, a time-major
+    encoder handed (seq, batch, embed), and SAINT's intersample attention (one row, the samples as keys, on purpose)."""
+    status, found, report = traced(tmp_path, "feature_dict_intersample_correct", False, BATCH)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -86,3 +86,38 @@ def test_the_positions_a_view_holds_match_torchs_own_view():
     assert regrouped(proj.view(2, 6 * 3, 8), -2) is None  # (each token cut in three positions: 18 are no sample's 6)
     features = torch.nn.Linear(4, 5 * 8)(torch.randn(2, 4)).view(2, 5, 8)  # a tabular model's per-feature tokens
     assert regrouped(features, -2) is None
+
+
+def _fold_reference(batch: int, tokens: int, heads: int, dim: int) -> list[tuple[int, int]]:
+    """(token, first feature) of positions 0 and 1 of plane 0 of `x.view(B·H, -1, D)` of a (B, L, H·D) tensor, read
+    off torch's view of one whose values are their own (token, feature)."""
+    width = heads * dim
+    x = torch.arange(batch * tokens * width).view(batch, tokens, width)
+    viewed = x.view(batch * heads, -1, dim)
+    return [(int(viewed[0, i, 0]) // width, int(viewed[0, i, 0]) % width) for i in range(2)]
+
+
+def test_fuxictr_autoint_heads_folded_by_view_is_found(tmp_path):
+    # reczoo/FuxiCTR#30 (abd5182): AutoInt's MultiHeadAttention split heads by query.view(batch_size * num_heads, -1,
+    # attention_dim) of the (32, 8 fields, 2 heads of 16) projection; torch.bmm, nn.Softmax(dim=2): each (sample, head)
+    # plane holds 4 of the 8 fields cut into head slices
+    found = check_bug(tmp_path, "fuxictr_autoint_heads_split_by_view_mixes_fields", "positions-regrouped")
+    assert _held(found[0]["message"]) == _fold_reference(32, 8, 2, 16)
+    assert "4 of the 8 tokens" in found[0]["message"] and "(8, 32) projection" in found[0]["message"]
+
+
+def test_a_text_encoder_folding_heads_by_view_before_sdpa_is_found(tmp_path):
+    # written otherwise: a fused qkv Linear over right-padded ids, each part viewed (B·H, -1, D), 3-D SDPA with the key
+    # padding repeated per head, sizes in a config dict
+    found = check_bug(tmp_path, "text_encoder_fold_heads_view_sdpa_padding", "positions-regrouped", folder=REGROUPED)
+    assert _held(found[0]["message"]) == _fold_reference(3, 9, 4, 6)
+
+
+def test_folds_that_step_whole_tokens_are_quiet_and_the_folded_view_is_not():
+    proj = torch.nn.Linear(8, 24)(torch.randn(2, 6, 8))  # (B, L, 3 heads of 8)
+    fact = regrouped(proj.view(2 * 3, -1, 8), -2)
+    assert fact is not None and fact["held"][:2] == _fold_reference(2, 6, 3, 8) and fact["tokens"] == 6
+    assert regrouped(proj.view(2, 6, 3, 8).transpose(1, 2).reshape(6, 6, 8), -2) is None  # (the fix: a copy)
+    assert regrouped(proj.transpose(0, 1).reshape(6, 2 * 3, 8).transpose(0, 1), -2) is None  # (MHA's (L, B·H, D))
+    assert regrouped(proj.view(2 * 2, 3, 24), -2) is None  # (chunks of whole tokens: a local attention's blocks)
+    assert regrouped(proj.view(2, 6, 3, 8).view(2 * 6, 3, 8), -2) is None  # (each token's heads as positions: no fold)

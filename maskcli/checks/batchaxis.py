@@ -70,6 +70,7 @@ def batch_axis(run: Run) -> list:
                         axes[id(top)] = (name, samples, tokens, pad_id, said, top.where)
         held = axes[id(top)]
         if held is None:
+            found += _fields(call, top)
             continue
         name, samples, tokens, pad_id, said, where = held
         rows, k_len = call.shape[0], call.shape[3]
@@ -79,6 +80,25 @@ def batch_axis(run: Run) -> list:
                          f"their {tokens} tokens) and its {rows} batch rows are their tokens",
                          f"attention over each sample's {tokens} tokens", f"{name} given to {where}")
     return found + _run_alone(run)
+
+
+def _fields(call, top) -> list:
+    """A call of a model handed fields of one value per sample (trace/samplefields.py) whose keys are its B samples and
+    whose batch rows are not, but as many as a sequence built of each sample's fields holds (its widest field's tokens
+    at least, all its fields' at most): its rows are each sample's tokens, its keys the samples."""
+    given = top.arguments.get("sample_fields")
+    if given is None:
+        return []
+    names, samples, widths = given
+    rows, k_len = call.shape[0], call.shape[3]
+    if k_len != samples or rows == samples or rows < 2 or not max(widths) <= rows <= sum(widths):
+        return []
+    listed = ", ".join(f"`{n}`" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    one = next(n for n, w in zip(names, widths) if w == 1)
+    return _across(call, f"the {samples} samples of the fields given to {top.where} ({listed}: one first axis of "
+                   f"{samples}, `{one}` one value per sample) and its {rows} batch rows are a sequence of each sample's "
+                   f"fields ({max(widths)} to {sum(widths)} tokens)", f"attention over each sample's {rows} tokens",
+                   f"the fields given to {top.where}")
 
 
 def _across(call, keys: str, expected: str, source: str) -> list:

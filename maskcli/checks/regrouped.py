@@ -12,9 +12,11 @@ off the strides of the tensor the kernel was handed against the output it is a v
 
 Quiet where the kernel's positions step whole tokens of that output (the transpose: any layout, fused qkv, a
 sequence-first buffer) and where its positions are not a sample's tokens (an axis of features split into tokens: a
-tabular model's per-feature tokens). Not seen: a view copied before the kernel (its strides say nothing then), a
-(B·H, L, D) fold viewed straight from (B, L, E), and the same regrouping after the kernel (`out.view(B, L, -1)` of a
-(B, H, L, D) context: Informer's later fix), which changes no mask.
+tabular model's per-feature tokens). The heads folded into the batch alike: a (B·H, L, D) view straight of (B, L, E)
+(FuxiCTR#30: AutoInt's `view(batch_size * num_heads, -1, attention_dim)`), each plane 1/H of a sample and more than
+one token. Not seen: a view copied before the kernel (its strides say nothing then), a fold whose planes are one token
+or less (the same view as each token's heads laid as positions), and the same regrouping after the kernel
+(`out.view(B, L, -1)` of a (B, H, L, D) context: Informer's later fix), which changes no mask.
 """
 
 from __future__ import annotations

@@ -28,12 +28,30 @@ def regrouped(t, axis: int) -> dict | None:
         return None  # (positions a row apart: the transpose, every layout that steps whole tokens; read first, cheap)
     length, feature = t.shape[axis], -1 if axis in (-2, t.dim() - 2) else -2
     sample = t.stride(0)
+    folded = _folded(t, base, length, row)
+    if folded:  # (B·H, L, D) viewed straight from (B, L, H·D): H planes a sample, each plane's stride a sample's 1/H
+        sample *= folded
     if length < 2 or base.stride(-1) != 1 or row != base.shape[-1] or t.stride(feature) != 1 \
             or t.shape[feature] >= row or sample % row or sample // row != length or not t.is_floating_point():
         return None  # (rows that are no sample's tokens, or a sample's rows not its positions)
     offset = (int(t.storage_offset()) - int(base.storage_offset())) % sample
     held = [((offset + i * step) // row, (offset + i * step) % row) for i in range(min(length, 4))]
     return {"tokens": length, "row": row, "step": step, "held": held}
+
+
+def _folded(t, base, length: int, row: int) -> int:
+    """H where `t` (B·H, L, D) folds H planes of each sample of the buffer (B·L rows of `row` features, as many rows a
+    sample as `t` has positions: its numel B·L·row, or (B, L, row) where it is 3-D) into its first axis, each plane a
+    contiguous 1/H of the sample spanning more than one token (FuxiCTR#30: `query.view(batch_size * num_heads, -1,
+    attention_dim)`); 0 for any other layout. A plane of one token or less is the same view as each token's heads laid
+    as positions ((B·L, H, D): an attention over a token's heads), which a buffer of rows cannot tell apart: left."""
+    if t.dim() != 3 or length < 2 or t.stride(0) <= row or base.dim() == 3 and base.shape[1] != length:
+        return 0
+    samples = base.numel() // (length * row)
+    if samples < 1 or samples * length * row != base.numel() or t.shape[0] % samples:
+        return 0
+    heads = t.shape[0] // samples
+    return heads if heads > 1 and t.stride(0) * heads == length * row else 0
 
 
 def operands(q, k, turned: bool) -> dict:

@@ -26,6 +26,7 @@ from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
 from maskcli.trace.padded import MOST, input_mask, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
+from maskcli.trace.samplefields import sample_fields
 from maskcli.trace.samplerows import sample_rows
 from maskcli.trace.targetmap import target_mapping
 from maskcli.trace.tiles import zero_units
@@ -142,6 +143,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
         found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
     found.update(padded_input(given))
+    found.update(sample_fields(given))  # (a batch of features, one value per sample among them: checks/batchaxis.py)
     found.update(input_mask(given))  # (a mask named for an input beside it: checks/plainpad.py)
     found.update(zero_memory(given))  # (a memory input whose padding is zeroed: checks/zeromemory.py)
     found.update(video_input(given))  # (a video latent's shape: checks/frameblocks.py)
@@ -282,8 +284,7 @@ def _images(given: dict) -> dict:
 
 
 def _zeros(given: dict, found: dict) -> dict:
-    """{"zeros": (name, bool (B, L))}: where the model call's float input (a waveform (B, L), features (B, L, C)) is
-    exactly 0, read where a padding mask over the same (B, L) was given (checks/tokens.py holds one against the other)."""
+    """{"zeros": (name, bool (B, L))}: where the call's float input is exactly 0, beside a (B, L) padding mask (checks/tokens.py)."""
     shapes = {found[n].shape for n in ("padding_mask", "key_padding_mask", "pad_mask", "attention_mask")
               if isinstance(found.get(n), np.ndarray) and found[n].ndim == 2}
     for name, value in given.items():
@@ -369,9 +370,8 @@ def _padding_like(held) -> np.ndarray | None:
 
 def _held(cache) -> int | None:
     """The tokens a Hugging Face cache (or a dict kept as Flax's 'cache' collection: `cache_index`) holds once the call
-    wrote its own (a static cache's written slots): transformers
-    5.24 passes no cache_position, and its generate hands a static cache's model call a 4-D mask over every slot
-    (cache_utils.py StaticLayer.get_seq_length, 502: cumulative_length, the positions written)."""
+    wrote its own (a static cache's written slots): transformers 5.24 passes no cache_position, and its generate
+    hands a static cache's model call a 4-D mask over every slot (StaticLayer.get_seq_length, 502: cumulative_length)."""
     if isinstance(cache, dict):  # Flax's 'cache' collection as ports keep it: its `cache_index` counts the tokens written
         held = cache.get("cache_index")
         if issubclass(type(held), torch.Tensor) and held.dim() == 0 and not held.is_floating_point():
