@@ -74,6 +74,7 @@ class Outer:
         held = local.outer
         if held is not None and held[0] is frame:
             held[5] = len(self._calls)
+            self.poolrows.inside(found, held, self._follow, self._held_outer, self._handles)  # (a model call inside: poolrows.py)
             return
         if held is not None:
             self._finish(held)
@@ -105,6 +106,11 @@ class Outer:
             self.poolrows.first_call(frame, module, args, kwargs, held, self._follow)  # (its post hook is not run now)
             self._handles[id(module)] = (module.register_forward_pre_hook(self._outer_pre),
                                          module.register_forward_hook(self._outer_post, always_call=True, with_kwargs=True))
+        self.poolrows.inside(found, held, self._follow, self._held_outer, self._handles)  # (its model calls inside: trace/poolrows.py)
+
+    def _held_outer(self):
+        """The outermost module call running on this thread (its held list), or None."""
+        return self._local.outer
 
     def _called(self, outermost: tuple) -> tuple:
         """The outermost module call, or the `forward` of a module holding it that the program called directly around it
