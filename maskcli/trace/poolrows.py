@@ -35,7 +35,7 @@ class PoolRows:
         self.records: dict = {}  # (first, end) of an outermost call's calls -> {"mask", "reads"}
         self.inner: dict = {}  # first call of an outermost call -> the records of model calls made inside it
         self._seen: set = set()  # ids of the inner modules looked at (hooked where handed a (B, L) mask)
-        self._watched: dict = {}  # frame of a running module call -> (module, args, kwargs, held, follow)
+        self._watched: dict = {}  # frame of a running module call -> what to call as it returns
         self.outer = lambda: None  # the running outermost call's held list on this thread (inside() is handed it)
 
     def note(self, output, module, args: tuple, kwargs: dict, first: int, end: int | None) -> bool:
@@ -109,28 +109,38 @@ class PoolRows:
         if self.note(output, module, args, kwargs, held[4], None):
             follow()
 
-    def _watch(self, frame, what: tuple) -> None:
-        """`frame`'s return watched (one profile function for every frame watched on this thread)."""
+    def watch(self, frame, then) -> None:
+        """`frame`'s return watched, `then(value returned)` called as it returns (one profile function for every frame
+        watched on this thread; none where the program set a profile of its own)."""
         if not self._watched and sys.getprofile() is not None:
             return
-        self._watched[frame] = what
-        if len(self._watched) > 1:
+        self._watched.setdefault(frame, []).append(then)
+        if len(self._watched) > 1 or len(self._watched[frame]) > 1:
             return
         watched = self._watched
 
         def profile(called, event: str, arg) -> None:
             if event != "return" or called not in watched:
                 return
-            module, args, kwargs, held, follow, inner = watched.pop(called)
+            thens = watched.pop(called)
             if not watched:
                 sys.setprofile(None)
-            try:
-                if self.note(arg, module, args, kwargs, held[4], None if inner else held[5]):
-                    follow()
-            except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program
-                pass
+            for then in thens:
+                try:
+                    then(arg)
+                except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program
+                    pass
 
         sys.setprofile(profile)
+
+    def _watch(self, frame, what: tuple) -> None:
+        module, args, kwargs, held, follow, inner = what
+
+        def then(value) -> None:
+            if self.note(value, module, args, kwargs, held[4], None if inner else held[5]):
+                follow()
+
+        self.watch(frame, then)
 
     def attach(self, tops: list) -> None:
         """Each record with reads onto its call's Top (`pooled`: the mask and the reads)."""
