@@ -13,7 +13,10 @@ Top (`pooled`: attached as the tops are read), which checks/pooledat.py holds ag
 (B, L, V) `logits` are followed the same way where its output states no `last_hidden_state` (a reranker or a
 classifier reads one position per row of them: ms-swift's `logits[:, -1]`), save where the call is a decoder's over
 another sequence (an encoder-decoder's output, `decoder_*` inputs: its mask is the source's) or is handed `labels` (its
-loss is its own, over every position: a training loop's logits, read no other way, would keep the mode on).
+loss is its own, over every position: a training loop's logits, read no other way, would keep the mode on). A model
+call made inside the outermost one (a pipeline's encoder: sentence-transformers' Sequential calls its Transformer
+module, which calls the model, and Pooling reads `token_embeddings[:, 0]` before the Sequential returns) is followed
+the same way (`inside`): its reads are kept on the outermost call's Top, under the inner model's class.
 """
 
 from __future__ import annotations
