@@ -2,8 +2,10 @@
 marks padding, on a reproduction of a published bug (Echo's last-token pool of a left-padded batch at
 `attention_mask.sum(1) - 1`) and on the same bug written otherwise (a right-padded batch pooled at `[:, -1]`, the fix
 a `gather`), both fixes quiet; a language model's logits read so (ms-swift's reranker at `[:, -1]` of a right-padded
-batch; a left-padded judge gathered at `attention_mask.sum(-1) - 1`); the positions trace reads of an index against
-what torch's indexing returns."""
+batch; a left-padded judge gathered at `attention_mask.sum(-1) - 1`); a model call inside the outermost one pooled so
+(sentence-transformers' CLS pooling at `token_embeddings[:, 0]` of a left-padded batch, inside its Sequential; a DPR
+bi-encoder's two BERT towers pooled at `[:, 0, :]` inside its forward), and correct poolings inside a pipeline quiet; the
+positions trace reads of an index against what torch's indexing returns."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from checkbugs import check_bug
+from checkbugs import check_bug, first, traced
 from maskcli.checks.context import Run, Top
 from maskcli.checks.pooledat import padding_pooled
 from maskcli.trace.poolrows import _gathered, _hidden, _indexed
@@ -48,6 +50,38 @@ def test_a_left_padded_judge_logits_gathered_at_a_right_padding_length_are_flagg
                       POOLPAD)[:1]
     assert "batch row 1 of GPT2LMHeadModel's logits are read at position 9 by gather(1, ...)" in hit["message"]
     assert "tokens: 13-22, padded on the left" in hit["message"]
+
+
+def _left_padded_cls(lengths: list[int]):
+    """The first (row, position, position) where CLS pooling (position 0 of every row, the upstream `token_embeddings[:, 0]`)
+    reads a pad of a batch padded on the left to the longest row: the reference, a loop over rows and positions."""
+    width = max(lengths)
+    pad = lambda b, k: k < width - lengths[b]  # noqa: E731 - a left pad of row b
+    found = first((len(lengths), 1, width), lambda b, q, k: k == 0 and pad(b, k))
+    return None if found is None else [found[0], found[2], found[2]]
+
+
+def test_sentence_transformers_cls_pooling_of_a_left_padded_batch_inside_its_pipeline_is_flagged(tmp_path):
+    # huggingface/sentence-transformers#3767 (fixes #3208): Pooling(pooling_mode="cls") took token_embeddings[:, 0],
+    # a [PAD] position of the shorter rows a Llama tokenizer pads on the left; the fix gathers attention_mask.argmax(1).
+    # The read is of LlamaModel's output inside the Sequential's call, not of the outermost call's output.
+    hits = check_bug(tmp_path, "sentence_transformers_cls_pooling_left_padding_takes_pad_token", "pooled-at-padding")
+    queries = ["what is a mask", "padding side left", "cls pooling"]
+    assert hits[0]["cell"] == _left_padded_cls([len(t) for t in queries])
+    assert "LlamaModel's output is pooled at position 0 by [:, 0]" in hits[0]["message"]
+    assert "a first-token (CLS) position" in hits[0]["message"] and "padded on the left" in hits[0]["message"]
+
+
+def test_a_bi_encoder_s_towers_pooled_at_cls_of_a_left_padded_batch_inside_its_forward_are_flagged(tmp_path):
+    hits = check_bug(tmp_path, "dpr_biencoder_left_padded_cls_pooled_inside_forward", "pooled-at-padding", POOLPAD)
+    questions = [[12, 40, 7], [33, 5, 18, 61, 9, 22], [70, 3]]  # ([CLS] and [SEP] around each)
+    assert hits[0]["cell"] == _left_padded_cls([len(q) + 2 for q in questions])
+    assert "batch row 0 (and row 2) of BertModel's output is pooled at position 0" in hits[0]["message"]
+
+
+def test_correct_poolings_inside_a_pipeline_are_quiet(tmp_path):
+    status, found, report = traced(tmp_path, "pipeline_poolings_inside_forward_correct", False, POOLPAD)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
 
 
 def _read(hidden: torch.Tensor, picked: torch.Tensor):

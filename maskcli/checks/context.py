@@ -42,6 +42,7 @@ class Top:
     rows: tuple = ()  # (name, one hash per row of its first axis) of each small tensor argument (trace/samplerows.py)
     state_writes: int | None = None  # module state assigned before the call began (trace/assigned.py: continued.py)
     pooled: list = field(default_factory=list)  # rows and positions its output was read at (trace/poolrows.py: pooledat.py)
+    rewritten: tuple = ()  # batch masks an earlier call's forward rewrote, begun with (trace/rewritten.py: rewritten.py)
 
 
 @dataclass

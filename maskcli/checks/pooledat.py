@@ -40,14 +40,16 @@ def padding_pooled(run: Run) -> list:
             side = "left" if not real[r, 0] else "right" if not real[r, -1] else "inside"
             others = f" (and row{'s' if len(bad) > 2 else ''} {', '.join(str(b[0]) for b in bad[1:])})" if len(bad) > 1 else ""
             logits = read.get("what") == "logits"
+            where = read.get("module") or top.where  # (a model call inside the outermost one: its own class)
+            guess = ("a first-token (CLS) position taken as if the batch were padded on the right?" if p < tokens[0]
+                     else "a last-token index counting the other padding side?")
             found.append((calls[-1], Finding("pooled-at-padding", (
-                f"batch row {r}{others} of {top.where}'s {'logits are read' if logits else 'output is pooled'} at "
+                f"batch row {r}{others} of {where}'s {'logits are read' if logits else 'output is pooled'} at "
                 f"position {p} by {read['how']}, a padding position of the attention_mask it was called with (row {r}'s "
                 f"tokens: {spans(tokens)}, padded on the {side}): the row's "
-                f"{'score is a pad token' if logits else 'embedding is a pad token'}'s — a last-token index counting the "
-                "other padding side?"),
+                f"{'score is a pad token' if logits else 'embedding is a pad token'}'s — {guess}"),
                 expected=f"row {r} pooled at one of its tokens {spans(tokens)}",
-                source=f"attention_mask of {top.where}", cell=(r, p, p))))
+                source=f"attention_mask of {where}", cell=(r, p, p))))
             break
     return found
 

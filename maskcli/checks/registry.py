@@ -55,7 +55,8 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "stalled", "repeated", "causalnone", "onesided", "topk", "aloneplaces", "evictbudget", "pooledaxis", "continued", "absentinput", "placedpads",
            "regrouped", "pooledpad", "pooledat", "maskmean", "offgrid", "keyscale", "blockwindow", "uncached", "permuted",
            "sinkslots", "multiplied", "densesets", "owncut", "sinkblend", "poolspan", "skipped", "routed", "headadded",
-           "builtcausal", "querygroups", "padend", "leftoff", "positioned", "dropshare", "rowsout", "steppad", "memflip", "madeframes", "beamcache")
+           "builtcausal", "querygroups", "padend", "leftoff", "positioned", "dropshare", "rowsout", "steppad", "memflip",
+           "madeframes", "beamcache", "rewritten")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 
 import maskcli.trace.assigned as assigned
 from maskcli.trace.convpad import adopt, stated_frames
+from maskcli.trace.rewritten import rewrites
 
 
 @functools.cache
@@ -74,6 +75,7 @@ class Outer:
         held = local.outer
         if held is not None and held[0] is frame:
             held[5] = len(self._calls)
+            self.poolrows.inside(found, held, self._follow, self._held_outer, self._handles)  # (a model call inside: poolrows.py)
             return
         if held is not None:
             self._finish(held)
@@ -98,13 +100,21 @@ class Outer:
             kept = {}
         kept["state_writes"] = assigned.WRITES[0]  # (module state assigned so far: checks/continued.py)
         local.outer = held = [frame, module, args, kwargs, first, len(self._calls), kept]
+        rewrites(self).begin(id(held), first, module, args, kwargs)  # (its batches' masks as it began: trace/rewritten.py)
         adopt(self, held, found[-1][1])  # (its convolutions before this first attention call: trace/convpad.py)
         self._outers[threading.get_ident()] = held
         if id(module) not in self._handles:  # (this call ends without the hook: finished later, its arguments then
             self.__dict__.setdefault("_then", {})[id(held)] = _then(args, kwargs)  # changed maybe: kept as handed)
             self.poolrows.first_call(frame, module, args, kwargs, held, self._follow)  # (its post hook is not run now)
+            if rewrites(self).begun(id(held)):  # (what this call wrote into its batches, seen as it returns)
+                self.poolrows.watch(frame, lambda _, held=held: rewrites(self).end(id(held), held[4], self.sites.shown(module)))
             self._handles[id(module)] = (module.register_forward_pre_hook(self._outer_pre),
                                          module.register_forward_hook(self._outer_post, always_call=True, with_kwargs=True))
+        self.poolrows.inside(found, held, self._follow, self._held_outer, self._handles)  # (its model calls inside: trace/poolrows.py)
+
+    def _held_outer(self):
+        """The outermost module call running on this thread (its held list), or None."""
+        return self._local.outer
 
     def _called(self, outermost: tuple) -> tuple:
         """The outermost module call, or the `forward` of a module holding it that the program called directly around it
@@ -141,6 +151,7 @@ class Outer:
     def _outer_post(self, module, args, kwargs, output=None) -> None:
         held = self._local.outer
         if held is not None and held[1] is module:
+            rewrites(self).end(id(held), held[4], self.sites.shown(module))  # (as it ends: trace/rewritten.py)
             with self._lock:
                 self._finish(held)
             if output is not None and self.poolrows.note(output, module, args, kwargs, held[4], held[5]):
@@ -171,6 +182,7 @@ class Outer:
 
         losses, self._local.losses = getattr(self._local, "losses", None), None  # (its own loss: trace/losses.py)
         where = self.sites.shown(module)
+        rewrites(self).drop(id(held))  # (what it was handed, let go where its end was not seen: trace/rewritten.py)
         kept = {**(kept or {}), **table_positions(module, self._local)}  # (the rows its table of positions was read at)
         try:  # (the program's objects read: a config whose attribute access raises must not reach it)
             found = None if losses else later(where, module, args, kwargs, first, end, kept)
@@ -206,6 +218,7 @@ class Outer:
         if self._pending:
             self.settle()
         self.poolrows.attach(self._tops)
+        rewrites(self).attach(self._tops)
         return self._tops
 
     def settle(self) -> None:

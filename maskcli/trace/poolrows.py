@@ -13,7 +13,10 @@ Top (`pooled`: attached as the tops are read), which checks/pooledat.py holds ag
 (B, L, V) `logits` are followed the same way where its output states no `last_hidden_state` (a reranker or a
 classifier reads one position per row of them: ms-swift's `logits[:, -1]`), save where the call is a decoder's over
 another sequence (an encoder-decoder's output, `decoder_*` inputs: its mask is the source's) or is handed `labels` (its
-loss is its own, over every position: a training loop's logits, read no other way, would keep the mode on).
+loss is its own, over every position: a training loop's logits, read no other way, would keep the mode on). A model
+call made inside the outermost one (a pipeline's encoder: sentence-transformers' Sequential calls its Transformer
+module, which calls the model, and Pooling reads `token_embeddings[:, 0]` before the Sequential returns) is followed
+the same way (`inside`): its reads are kept on the outermost call's Top, under the inner model's class.
 """
 
 from __future__ import annotations
@@ -33,10 +36,15 @@ class PoolRows:
     def __init__(self) -> None:
         self._found: dict = {}  # id(last_hidden_state) -> (weakref to it, its call's record)
         self.records: dict = {}  # (first, end) of an outermost call's calls -> {"mask", "reads"}
+        self.inner: dict = {}  # first call of an outermost call -> the records of model calls made inside it
+        self._seen: set = set()  # ids of the inner modules looked at (hooked where handed a (B, L) mask)
+        self._watched: dict = {}  # frame of a running module call -> what to call as it returns
+        self.outer = lambda: None  # the running outermost call's held list on this thread (inside() is handed it)
 
-    def note(self, output, module, args: tuple, kwargs: dict, first: int, end: int) -> bool:
+    def note(self, output, module, args: tuple, kwargs: dict, first: int, end: int | None) -> bool:
         """Follow the `last_hidden_state` of an outermost call's `output` where the call was handed padding over it;
-        whether it is followed. Nothing raised reaches the program."""
+        whether it is followed. `end` None: a model call inside the outermost call that began at `first` (inner()).
+        Nothing raised reaches the program."""
         try:
             hidden, what = _hidden(output, kwargs)
             if hidden is None:
@@ -46,7 +54,11 @@ class PoolRows:
                 if not _padded(mask) or tuple(mask.shape) != tuple(hidden.shape[:2]):
                     return False
                 mask = mask.detach().cpu().numpy() != 0
-            record = self.records[(first, end)] = {"mask": mask, "reads": [], "what": what}
+            record = {"mask": mask, "reads": [], "what": what, "module": type(module).__name__ if end is None else None}
+            if end is None:
+                self.inner.setdefault(first, []).append(record)
+            else:
+                self.records[(first, end)] = record
             key = id(hidden)
             self._found[key] = (weakref.ref(hidden, lambda _, key=key, found=self._found: found.pop(key, None)), record)
             return True
@@ -57,34 +69,93 @@ class PoolRows:
         """A module's first outermost call, hooked as it runs (its forward hook does not run for it): where it was handed
         padding, its frame's return is watched (a profile function on this thread, until that frame returns: once a
         model) and its output noted as the hook would."""
-        if sys.getprofile() is not None:
-            return
         try:
             with unseen():  # (maskcli's own reads: no mode, no subclass of the program's sees them)
                 if not _padded(_mask(module, args, kwargs)):
                     return
         except (Exception, SystemExit):  # noqa: BLE001 - the program's arguments stay its own
             return
+        self._watch(frame, (module, args, kwargs, held, follow, False))
+
+    def inside(self, found: list, held: list, follow, current, handles: dict) -> None:
+        """The model calls running inside an outermost one (sites.running's `found`, innermost first, the outermost last)
+        that were handed a (B, L) `attention_mask`: a pipeline's encoder (sentence-transformers' Transformer module
+        calls its model, and Pooling reads `token_embeddings[:, 0]` before the outermost call returns). Each such module
+        is hooked once (its later calls noted as they end); the call running now, where it was handed padding, is
+        watched to its return as first_call watches one. Modules looked at once each: a set lookup per attention call.
+        `current()`: the outermost call's held list running on this thread when a hooked call ends; `handles`: the
+        trace's hooks, removed as it ends."""
+        self.outer = current
+        for module, frame, variables in found[1:-1]:
+            if id(module) in self._seen or module is held[1]:
+                continue
+            self._seen.add(id(module))
+            args, kwargs = variables.get("args", ()), variables.get("kwargs", {})
+            try:
+                with unseen():
+                    mask = _mask(module, args, kwargs)
+                    if type(mask) is not torch.Tensor or mask.dim() != 2:
+                        continue
+                    padded = _padded(mask)
+            except (Exception, SystemExit):  # noqa: BLE001 - the program's arguments stay its own
+                continue
+            handles[("inner", id(module))] = (module.register_forward_hook(
+                lambda called, args, kwargs, output, follow=follow: self._inner_post(called, args, kwargs, output, follow),
+                with_kwargs=True),)
+            if padded:
+                self._watch(frame, (module, args, kwargs, held, follow, True))
+
+    def _inner_post(self, module, args: tuple, kwargs: dict, output, follow) -> None:
+        held = self.outer()
+        if held is None or held[1] is module or held[0] is None:
+            return  # (called as the outermost: its own hook notes it)
+        if self.note(output, module, args, kwargs, held[4], None):
+            follow()
+
+    def watch(self, frame, then) -> None:
+        """`frame`'s return watched, `then(value returned)` called as it returns (one profile function for every frame
+        watched on this thread; none where the program set a profile of its own)."""
+        if not self._watched and sys.getprofile() is not None:
+            return
+        self._watched.setdefault(frame, []).append(then)
+        if len(self._watched) > 1 or len(self._watched[frame]) > 1:
+            return
+        watched = self._watched
 
         def profile(called, event: str, arg) -> None:
-            if event == "return" and called is frame:
+            if event != "return" or called not in watched:
+                return
+            thens = watched.pop(called)
+            if not watched:
                 sys.setprofile(None)
+            for then in thens:
                 try:
-                    if self.note(arg, module, args, kwargs, held[4], held[5]):
-                        follow()
+                    then(arg)
                 except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program
                     pass
 
         sys.setprofile(profile)
 
+    def _watch(self, frame, what: tuple) -> None:
+        module, args, kwargs, held, follow, inner = what
+
+        def then(value) -> None:
+            if self.note(value, module, args, kwargs, held[4], None if inner else held[5]):
+                follow()
+
+        self.watch(frame, then)
+
     def attach(self, tops: list) -> None:
         """Each record with reads onto its call's Top (`pooled`: the mask and the reads)."""
-        if not self.records:
+        if not self.records and not self.inner:
             return
         for top in tops:
-            record = self.records.get((getattr(top, "first", None), getattr(top, "end", None)))
-            if record is not None and record["reads"] and hasattr(top, "pooled"):
-                top.pooled = [{**read, "mask": record["mask"], "what": record["what"]} for read in record["reads"]]
+            records = [*self.inner.get(getattr(top, "first", None), ()),
+                       self.records.get((getattr(top, "first", None), getattr(top, "end", None)))]
+            pooled = [{**read, "mask": record["mask"], "what": record["what"], "module": record["module"]}
+                      for record in records if record is not None for read in record["reads"]]
+            if pooled and hasattr(top, "pooled"):
+                top.pooled = pooled
 
     def after(self, func, args: tuple, kwargs: dict) -> None:
         """Record the position each row is read at, where `func` indexes a followed output."""
