@@ -22,30 +22,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, keep
+from maskcli.checks.context import Run, keep
 from maskcli.checks.frames import _key_padding
 from maskcli.checks.registry import Rule
-from maskcli.checks.subsampled import _folds, _inputs, _out_all, _real_counts, _stack
+from maskcli.checks.subsampled import _folds, _inputs, _out_all, _real_counts, _stack, over_frames
 from maskcli.text import Finding, spans
 
 
 def made_frames_hidden(run: Run) -> list:
     """Self-attention calls over frames whose key padding hides frames the model's own convolutions computed from the
     real samples the program holds over a row."""
-    found, done = [], {}
-    for call in run.calls:
-        top = run.top(call)
-        helds = [*(call.details.get("held_padding") or ()), *(call.details.get("held_top") or ())]
-        convs = None if top is None else top.arguments.get("convs")
-        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
-        if not convs or not helds or call.stored is None or q_len != k_len or cross(call):
-            continue
-        key = (call.mask, call.shape, id(top), tuple(id(h["rows"]) for h in helds))
-        if key not in done:
-            done[key] = _finding(call, convs, helds, rows, k_len)
-        if done[key] is not None:
-            found.append((call, done[key]))
-    return found
+    return over_frames(run, run.calls, _finding)
 
 
 def _finding(call, convs: tuple, helds: list, rows: int, k_len: int) -> Finding | None:

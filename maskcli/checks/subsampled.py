@@ -73,10 +73,17 @@ def _real_counts(held: dict, rows: int) -> tuple[int, np.ndarray] | None:
 def padded_frames_attended(run: Run) -> list:
     """Self-attention calls over frames whose key padding keeps frames the model's own convolutions computed from the
     padding the program holds over their samples."""
-    found, done = [], {}
     square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
     # (a softmax that masks nothing: the frame mask may call every frame real, wenet#1602's short row)
-    for call in [*run.calls, *square]:
+    return over_frames(run, [*run.calls, *square], _finding)
+
+
+def over_frames(run: Run, calls: list, finding) -> list:
+    """(call, finding) of each self-attention call over frames of a model call whose convolutions trace read, beside
+    the sample padding the program holds (checks/madeframes.py reads them too): `finding(call, convs, helds, rows,
+    k_len)`, read once per mask, placing and statement."""
+    found, done = [], {}
+    for call in calls:
         top = run.top(call)
         helds = [*(call.details.get("held_padding") or ()), *(call.details.get("held_top") or ())]
         # (a script's top-level statement of its batch too, handed to the model call: the exact map of its samples to
@@ -87,7 +94,7 @@ def padded_frames_attended(run: Run) -> list:
             continue
         key = (call.mask, call.shape, id(top), tuple(id(h["rows"]) for h in helds))
         if key not in done:
-            done[key] = _finding(call, convs, helds, rows, k_len)
+            done[key] = finding(call, convs, helds, rows, k_len)
         if done[key] is not None:
             found.append((call, done[key]))
     return found
