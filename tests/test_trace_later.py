@@ -46,6 +46,18 @@ def test_a_first_call_changed_in_place_after_it_is_read_as_handed_also_under_inf
                 mask[:, :2] = 0  # (after the call: the pooling's mask, not the attention's)
         assert t.tops[0].arguments["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]], mode
 
+    class FixedInside(Tiny):  # (the forward itself changes its mask after attending: read as the call returned)
+        def forward(self, input_ids, attention_mask, features=None):
+            out = super().forward(input_ids, attention_mask)
+            attention_mask[:, -1] = 1
+            return out
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    with maskcli.trace() as t:
+        FixedInside()(torch.tensor([[5, 6, 7], [5, 6, 7]]), mask)
+        mask.zero_()  # (after the call: not the call's)
+    assert t.tops[0].arguments["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 1]]
+
 
 def test_a_call_handed_a_float_input_has_its_top_made_as_it_ends():
     model, ids, mask = Tiny(), torch.tensor([[5, 6, 7]]), torch.tensor([[1, 1, 0]])

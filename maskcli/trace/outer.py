@@ -38,9 +38,10 @@ def _holds(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
 
 def _then(args: tuple, kwargs: dict) -> dict:
     """id -> (tensor, its version, a copy) of the small integer or bool tensors a call was handed (ids, masks,
-    positions: what tops.py reads), where nothing may finish the call as it ends (a module's first call, which runs
-    without the hooks registered inside it): the program may change them in place before the call is finished
-    (GritLM zeroes its instruction tokens in the attention_mask it handed the model, for its pooling)."""
+    positions: what tops.py reads), read as a module's first call returns (it runs without the hooks registered inside
+    it, so it is finished later): the program may change them in place before the call is finished (GritLM zeroes its
+    instruction tokens in the attention_mask it handed the model, for its pooling); what the forward itself changed
+    stays (FuxiCTR's adjust_mask: checks/latefix.py reads it)."""
     from maskcli.trace.padded import MOST
 
     kept = {}
@@ -103,8 +104,8 @@ class Outer:
         rewrites(self).begin(id(held), first, module, args, kwargs)  # (its batches' masks as it began: trace/rewritten.py)
         adopt(self, held, found[-1][1])  # (its convolutions before this first attention call: trace/convpad.py)
         self._outers[threading.get_ident()] = held
-        if id(module) not in self._handles:  # (this call ends without the hook: finished later, its arguments then
-            self.__dict__.setdefault("_then", {})[id(held)] = _then(args, kwargs)  # changed maybe: kept as handed)
+        if id(module) not in self._handles:  # (this call ends without the hook: finished later, what it was handed
+            self.poolrows.watch(frame, lambda _, held=held: self._ended(held))  # changed maybe: kept as it returns)
             self.poolrows.first_call(frame, module, args, kwargs, held, self._follow)  # (its post hook is not run now)
             if rewrites(self).begun(id(held)):  # (what this call wrote into its batches, seen as it returns)
                 self.poolrows.watch(frame, lambda _, held=held: rewrites(self).end(id(held), held[4], self.sites.shown(module)))
@@ -141,6 +142,12 @@ class Outer:
         self.__dict__["_called_kept"] = (frame, found)
         return found
 
+    def _ended(self, held: list) -> None:
+        """A module's first outermost call returned (its frame's return: no hook of its own ran): the small tensors it
+        was handed copied as they are now, where the call is not finished yet (_finish reads them)."""
+        if held[0] is not None:
+            self.__dict__.setdefault("_then", {})[id(held)] = (held, _then(held[2], held[3]))
+
     def _outer_pre(self, module, args) -> None:
         self.maskmean.forget()
         held = self._local.outer
@@ -164,7 +171,8 @@ class Outer:
             return
         held[0] = None  # (its frame let go: the program's variables are its own again)
         then = self.__dict__.get("_then", {}).pop(id(held), None)
-        if then:  # (a module's first call, finished after it ended: what it was handed that the program changed since)
+        if then is not None and then[0] is held:  # (a module's first call, finished after it returned: what it was
+            then = then[1]  # handed that the program changed since, as it was when the call returned)
             args, kwargs = _as_then(args, then), {name: _as_then((value,), then)[0] for name, value in kwargs.items()}
         convs = self._convs.pop(id(held), ())  # (what its convolutions read: trace/convpad.py)
         if convs:
