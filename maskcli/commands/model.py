@@ -29,7 +29,7 @@ def model(
     try_: Annotated[bool, typer.Option("--try", help="With --list: build each family tiny and say whether a padded prefill and decode step run (sdpa and eager, or eager only) or why not.")] = False,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Prompt length per batch row, like 5,3 (default), padded to the longest on --pad's side.", show_default=False)] = None,
     ids: Annotated[str | None, typer.Option("--ids", help="The prompt's token ids per batch row, like '5,6,7;0,8,9' (--pad-id marks padding), instead of --lengths.", show_default=False)] = None,
-    pad: Annotated[str, typer.Option("--pad", help="left (the default) or right: where --lengths pads (HF's padding_side).", show_default=False)] = "left",
+    pad: Annotated[str, typer.Option("--pad", help="left (default) or right (then decode continues from a pad: exit 1).", show_default=False)] = "left",
     pad_id: Annotated[int | None, typer.Option("--pad-id", help="The padding token id (default the config's pad_token_id where it is inside the tiny vocabulary, else 0).", parser=integer, show_default=False)] = None,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Decode steps after the prefill (default 2), each feeding back generate's greedy pick.", parser=integer, show_default=False)] = 2,
     attn: Annotated[str, typer.Option("--attn", help="The attention implementation: sdpa (the default), eager or flex (FlexAttention).", show_default=False)] = "sdpa",
