@@ -19,14 +19,16 @@ import torch
 
 MOST = 1 << 16  # elements of head 0's keys read at most (B * Lk * D)
 KEPT = 2048  # numbers kept per call at most (B * Lk: a batch of short hypotheses; float32, 8 KiB)
-_WEIGHTS: dict[int, np.ndarray] = {}
+_WEIGHTS: dict[tuple, np.ndarray] = {}
 
 
-def _weights(width: int) -> np.ndarray:
-    """A fixed vector per key width (its own generator: the program's random state is left alone)."""
-    if width not in _WEIGHTS:
-        _WEIGHTS[width] = np.random.default_rng(width + 1635).standard_normal(width)
-    return _WEIGHTS[width]
+def _weights(width: int, dtype) -> np.ndarray:
+    """A fixed vector per key width, in the keys' own dtype (its own generator: the program's random state is left
+    alone; the keys read as they are, no copy: a few microseconds a call)."""
+    key = (width, dtype)
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = np.random.default_rng(width + 1635).standard_normal(width).astype(dtype)
+    return _WEIGHTS[key]
 
 
 def key_rows(k: torch.Tensor, turned: bool = False) -> np.ndarray | None:
@@ -39,11 +41,12 @@ def key_rows(k: torch.Tensor, turned: bool = False) -> np.ndarray | None:
         n, d = (c, a) if turned else (a, c)
         if b < 2 or n < 2 or b * n * d > MOST or b * n > KEPT:
             return None
-        head = k.detach()[:, 0].numpy().astype(np.float64)
+        head = (k.detach() if k.requires_grad else k)[:, 0].numpy()
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states nothing
         return None
-    rows = np.einsum("bdn,d->bn", head, _weights(d)) if turned else head @ _weights(d)
-    return rows.astype(np.float32)
+    weights = _weights(d, head.dtype)
+    rows = np.einsum("bdn,d->bn", head, weights) if turned else head @ weights
+    return rows.astype(np.float32, copy=False)
 
 
 def sdpa_rows(q_shape: tuple, k: torch.Tensor) -> dict:
