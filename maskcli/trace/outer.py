@@ -52,6 +52,16 @@ def _then(args: tuple, kwargs: dict) -> dict:
     return kept
 
 
+def _masks_handed(module, args: tuple, kwargs: dict) -> bool:
+    """The call was handed an integer or bool tensor of at most 2 dimensions under a name with `mask` in it (its
+    attention_mask, padding_mask...: what the checks read of its arguments and a program may change after the call)."""
+    from maskcli.trace.tops import _given
+
+    given = _given(module, args, kwargs)[1] if args else kwargs
+    return any("mask" in name and type(value) is torch.Tensor and value.dim() <= 2 and not value.is_floating_point()
+               for name, value in given.items())
+
+
 def _as_then(values: tuple, then: dict) -> tuple:
     """`values` with each tensor changed in place since `then` was read replaced by its copy from then."""
     out = []
@@ -104,8 +114,9 @@ class Outer:
         rewrites(self).begin(id(held), first, module, args, kwargs)  # (its batches' masks as it began: trace/rewritten.py)
         adopt(self, held, found[-1][1])  # (its convolutions before this first attention call: trace/convpad.py)
         self._outers[threading.get_ident()] = held
-        if id(module) not in self._handles:  # (this call ends without the hook: finished later, what it was handed
-            self.poolrows.watch(frame, lambda _, held=held: self._ended(held))  # changed maybe: kept as it returns)
+        if id(module) not in self._handles:  # (this call ends without the hook: finished later, a mask it was handed
+            if _masks_handed(module, args, kwargs):  # changed maybe: kept as it returns; a profile function runs while
+                self.poolrows.watch(frame, lambda _, held=held: self._ended(held))  # it is watched: only where one is)
             self.poolrows.first_call(frame, module, args, kwargs, held, self._follow)  # (its post hook is not run now)
             if rewrites(self).begun(id(held)):  # (what this call wrote into its batches, seen as it returns)
                 self.poolrows.watch(frame, lambda _, held=held: rewrites(self).end(id(held), held[4], self.sites.shown(module)))
