@@ -62,15 +62,12 @@ def _masks_handed(module, args: tuple, kwargs: dict) -> bool:
                for name, value in given.items())
 
 
-def _as_then(values: tuple, then: dict) -> tuple:
-    """`values` with each tensor changed in place since `then` was read replaced by its copy from then."""
-    out = []
-    for value in values:
-        held = then.get(id(value))
-        changed = held is not None and held[0] is value and (  # (inference_mode: no version counter, compared)
-            held[1] != value._version if held[1] is not None else not torch.equal(held[2], value))
-        out.append(held[2] if changed else value)
-    return tuple(out)
+def _as_then(value, then: dict):
+    """`value`, or its copy from when `then` was read where it is a tensor changed in place since."""
+    held = then.get(id(value))
+    changed = held is not None and held[0] is value and (  # (inference_mode: no version counter, compared)
+        held[1] != value._version if held[1] is not None else not torch.equal(held[2], value))
+    return held[2] if changed else value
 
 
 class Outer:
@@ -115,11 +112,10 @@ class Outer:
         adopt(self, held, found[-1][1])  # (its convolutions before this first attention call: trace/convpad.py)
         self._outers[threading.get_ident()] = held
         if id(module) not in self._handles:  # (this call ends without the hook: finished later, a mask it was handed
-            if _masks_handed(module, args, kwargs):  # changed maybe: kept as it returns; a profile function runs while
-                self.poolrows.watch(frame, lambda _, held=held: self._ended(held))  # it is watched: only where one is)
-            self.poolrows.first_call(frame, module, args, kwargs, held, self._follow)  # (its post hook is not run now)
-            if rewrites(self).begun(id(held)):  # (what this call wrote into its batches, seen as it returns)
-                self.poolrows.watch(frame, lambda _, held=held: rewrites(self).end(id(held), held[4], self.sites.shown(module)))
+            if _masks_handed(module, args, kwargs) or rewrites(self).begun(id(held)):  # changed maybe, and what it
+                self.poolrows.watch(frame, lambda _, held=held: self._ended(held))  # wrote into its batches: read as
+            self.poolrows.first_call(frame, module, args, kwargs, held, self._follow)  # it returns; a profile function
+            # runs while it is watched: only where it was handed a mask or a batch)
             self._handles[id(module)] = (module.register_forward_pre_hook(self._outer_pre),
                                          module.register_forward_hook(self._outer_post, always_call=True, with_kwargs=True))
         self.poolrows.inside(found, held, self._follow, self._held_outer, self._handles)  # (its model calls inside: trace/poolrows.py)
@@ -154,8 +150,10 @@ class Outer:
         return found
 
     def _ended(self, held: list) -> None:
-        """A module's first outermost call returned (its frame's return: no hook of its own ran): the small tensors it
-        was handed copied as they are now, where the call is not finished yet (_finish reads them)."""
+        """A module's first outermost call returned (its frame's return: no hook of its own ran): what it wrote into the
+        batches it was handed (trace/rewritten.py, as _outer_post reads it), and the small tensors it was handed copied
+        as they are now, where the call is not finished yet (_finish reads them)."""
+        rewrites(self).end(id(held), held[4], self.sites.shown(held[1]))
         if held[0] is not None:
             self.__dict__.setdefault("_then", {})[id(held)] = (held, _then(held[2], held[3]))
 
@@ -184,7 +182,7 @@ class Outer:
         then = self.__dict__.get("_then", {}).pop(id(held), None)
         if then is not None and then[0] is held:  # (a module's first call, finished after it returned: what it was
             then = then[1]  # handed that the program changed since, as it was when the call returned)
-            args, kwargs = _as_then(args, then), {name: _as_then((value,), then)[0] for name, value in kwargs.items()}
+            args, kwargs = tuple(_as_then(v, then) for v in args), {n: _as_then(v, then) for n, v in kwargs.items()}
         convs = self._convs.pop(id(held), ())  # (what its convolutions read: trace/convpad.py)
         if convs:
             stated_frames(convs, module, args, kwargs)  # (the call's own 2-D masks beside them: trace/convpad.py)
