@@ -165,3 +165,39 @@ def test_torchs_own_compile_workers_are_not_named(monkeypatch):
         module.start([sys.executable, "-c", "pass"], env={**os.environ, "RANK": "0"})
     assert t.notes()[0] == ("1 child process not traced (they run in memory of their own; trace the code they run on "
                             "its own): rank 0: python -c")
+
+
+def test_an_installed_librarys_own_module_run_as_a_child_is_not_named(monkeypatch, tmp_path):
+    """vLLM inspects a model class in a child process (`python -m vllm.model_executor.models.registry`, started by
+    vllm/model_executor/models/registry.py where its cache has no entry): an installed library running a module of its
+    own is its helper, not the program's child. The same command from the program's own code is named, as is a
+    library's child running another package's module."""
+    import subprocess
+    import sys
+
+    import maskcli.trace.threads as threads
+
+    site = tmp_path / "site-packages"
+    (site / "fakelib").mkdir(parents=True)
+    (site / "fakelib" / "__init__.py").write_text("")
+    (site / "fakelib" / "__main__.py").write_text("")
+    (site / "fakelib" / "registry.py").write_text(
+        "import subprocess, sys\n"
+        "def inspect(module):\n"
+        "    subprocess.run([sys.executable, '-m', module], check=True)\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", str(site))  # (the children import it as well)
+    monkeypatch.setattr(threads, "_SITE_DIRS", [str(site)])
+    monkeypatch.delitem(sys.modules, "fakelib.registry", raising=False)
+    import fakelib.registry
+
+    with maskcli.trace() as t:
+        fakelib.registry.inspect("fakelib")  # (its own: not named)
+        fakelib.registry.inspect("this")  # (another's module: named)
+        subprocess.run([sys.executable, "-m", "fakelib"], check=True)  # (the program's own call: named)
+    assert t.notes() == ["2 child processes not traced (they run in memory of their own; trace the code they run on "
+                         "its own): python -m this, python -m fakelib"]
+    monkeypatch.setattr(threads, "_SITE_DIRS", [])
+    with maskcli.trace() as t:
+        fakelib.registry.inspect("fakelib.registry")  # (not installed where Python installs libraries: the program's)
+    assert t.notes()[0].endswith("python -m fakelib.registry")

@@ -84,8 +84,8 @@ class Threads:
 
         def popen_(process, args, *rest, **kwargs):
             name = python_child(args, kwargs.get("env"))
-            if name is not None and not name.startswith("rank ") and _torchs_own():
-                name = None  # (torch's own workers, inductor's compile pool: not the program's, as its threads)
+            if name is not None and not name.startswith("rank ") and _a_librarys_own(name):
+                name = None  # (torch's own workers, vLLM's model inspection: not the program's, as a pool's threads)
             if name is not None:
                 with watch._lock:
                     watch.processes.append(name)
@@ -122,17 +122,32 @@ class Threads:
         return found
 
 
-def _torchs_own() -> bool:
-    """The subprocess.Popen running now was started by torch's own code (the first frame outside subprocess.py and
-    this module is torch's: inductor's compile workers), not by the program."""
+def _a_librarys_own(name: str) -> bool:
+    """The subprocess.Popen running now (a Python child, `name`) is a library's helper, not the program's child: started
+    by torch's own code (the first frame outside subprocess.py and this module is torch's: inductor's compile workers),
+    or by an installed library's code to run a module of that same library (`python -m vllm.model_executor.models.registry`
+    from vllm/model_executor/models/registry.py: vLLM inspects a model class in a child process where its cache has no
+    entry for it)."""
     import sys
+    import sysconfig
 
     import torch
 
     frame, here, torch_dir = sys._getframe(2), os.path.dirname(__file__), os.path.dirname(torch.__file__)
     while frame is not None and frame.f_code.co_filename.endswith("subprocess.py"):
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith((torch_dir + os.sep, here + os.sep))
+    if frame is None:
+        return False
+    if frame.f_code.co_filename.startswith((torch_dir + os.sep, here + os.sep)):
+        return True
+    module = name[len("python -m "):].split()[0] if name.startswith("python -m ") else ""
+    starter = str(frame.f_globals.get("__name__") or "")
+    installed = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")} | set(_SITE_DIRS)
+    return (bool(module) and module.split(".")[0] == starter.split(".")[0]
+            and frame.f_code.co_filename.startswith(tuple(os.path.join(path, "") for path in installed)))
+
+
+_SITE_DIRS: list[str] = []  # further folders of installed libraries (tests add one)
 
 
 def python_child(args, env) -> str | None:
