@@ -1,9 +1,9 @@
 # Citation: google-research/timesfm src/timesfm/pytorch_patched_decoder.py (convert_paddings_to_mask, causal_mask,
 #   merge_masks, TimesFMAttention, StackedDecoder, PatchedTimeSeriesDecoder._preprocess_input).
 # Short contexts are left-padded (paddings = 1.0); a patch counts as padding only if all its points are padding.
-# The padding mask (finfo.min on padded keys) and the causal mask (finfo.min above the diagonal) are merged with
+# The padding mask (-0.7*finfo.max on padded keys) and the causal mask (same value above the diagonal) are merged with
 # torch.minimum (no overflow) and added to eager scores. A fully padded leading patch may have every key masked: on
-# purpose its finite finfo.min row softmaxes to a harmless uniform row and its output is never read (only the last
+# purpose its finite large-negative row softmaxes to a harmless uniform row and its output is never read (only the last
 # patch's output is decoded, and later non-padded patches never attend to padded ones).
 import torch
 import torch.nn.functional as F
@@ -12,16 +12,25 @@ from torch import nn
 torch.manual_seed(0)
 
 
+def get_large_negative_number(dtype):
+    """Returns a large negative value for the given dtype."""
+    if dtype.is_floating_point:
+        dtype_max = torch.finfo(dtype).max
+    else:
+        dtype_max = torch.iinfo(dtype).max
+    return torch.tensor(-0.7 * dtype_max, dtype=dtype)
+
+
 def convert_paddings_to_mask(paddings, dtype=torch.float32):
     attention_mask = paddings.detach().clone()
-    attention_mask = attention_mask[:, None, None, :]  # Convert to 4D tensor
-    attention_mask = attention_mask * torch.finfo(dtype).min
+    attention_mask = attention_mask[:, None, None, :]  # Equivalent to jnp.newaxis
+    attention_mask *= get_large_negative_number(dtype)
     return attention_mask
 
 
 def causal_mask(input_t):
     assert input_t.dtype.is_floating_point, input_t.dtype
-    large_negative_number = torch.finfo(input_t.dtype).min
+    large_negative_number = get_large_negative_number(input_t.dtype)
     t = input_t.shape[1]
     col_idx = torch.arange(t).unsqueeze(0).repeat(t, 1)
     row_idx = torch.arange(t).unsqueeze(1).repeat(1, t)
