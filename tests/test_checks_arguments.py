@@ -913,3 +913,16 @@ def test_cells_unmasked_up_to_the_batch_longest_over_right_padding_are_flagged(t
     found = check_bug(tmp_path, "table_cells_prefix_span_batch_wide_attends_pad_cells", "padding-ignored", folder=ARGS)
     counts = (3, 6)
     assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: q < counts[b] <= k)
+
+
+def test_packed_training_with_the_configs_cache_builds_no_document_mask(tmp_path):
+    """Written blind as a correct program (quiet-zn): DataCollatorWithFlattening's restarting position_ids, no
+    attention_mask, a training call that passes no use_cache. The config's use_cache=True makes a cache inside the
+    forward and transformers' masking_utils reads packed documents only where no cache is in play: that step attends
+    across the examples. The finding says why; --fixed (use_cache=False) is quiet."""
+    pytest.importorskip("transformers")
+    flagged = check_bug(tmp_path, "hf_flattened_packing_trained_with_the_configs_cache", "documents-leak", ARGS)
+    starts = [0] * 7 + [1] * 12 + [2] * 5  # (the examples of 7, 12 and 5 tokens the program packs)
+    want = first((1, 24, 24), lambda b, q, k: k <= q and starts[q] != starts[k])
+    assert tuple(flagged[0]["cell"]) == want == (0, 7, 0)
+    assert "this model's config says use_cache=True, which the call did not turn off" in flagged[0]["message"]

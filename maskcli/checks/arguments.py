@@ -306,10 +306,25 @@ def documents(run: Run) -> list:
             b, q, k = first_cell(across)
             found.append((call, Finding("documents-leak", (
                 f"position_ids restart at 0 (packed documents) but query {q} of batch row {b} sees key {k} of "
-                f"another document ({int(across.sum())} such cells): the mask does not restart with them"),
+                f"another document ({int(across.sum())} such cells): the mask does not restart with them"
+                f"{_kept_a_cache(top)}"),
                 expected="a document mask from the position_ids", source=f"position_ids of {top.where}",
                 cell=(b, q, k))))
     return found
+
+
+def _kept_a_cache(top) -> str:
+    """Why a transformers model may have built no document mask from restarting position_ids: its masking_utils reads
+    documents from them only where neither an attention_mask nor a cache is in play (`cache is None`), and a model
+    whose config says use_cache=True makes a cache of its own where the call passes none and no use_cache=False."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices") or top.arguments.get("no_cache") \
+            or "attention_mask" in top.arguments or getattr(top.config, "use_cache", None) is not True:
+        return ""
+    return ("; transformers reads packed documents from position_ids only where no attention_mask and no cache is in "
+            "play, and this model's config says use_cache=True, which the call did not turn off (use_cache=False)")
 
 
 RULES = (

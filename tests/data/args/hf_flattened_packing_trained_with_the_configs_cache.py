@@ -4,6 +4,12 @@
 # Examples are concatenated into one row with no padding and no attention_mask; position_ids restart at 0 for each
 # example. With no cache (training, or use_cache=False) create_causal_mask detects the restarts and builds a block-diagonal causal mask for SDPA, so no token sees
 # the previous example; labels carry -100 at each example's first token so no cross-example next-token is learned.
+# Written blind as a correct program (batch quiet-zn); maskcli found its training step wrong, and it is: the training
+# call passes no use_cache, the config's use_cache=True makes a DynamicCache inside the forward, and masking_utils
+# reads packed documents only where `cache is None`, so that step ran a plain causal mask across the examples (its
+# logits differ from use_cache=False by 0.5). --fixed: the training call passes use_cache=False.
+import sys
+
 import torch
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
 
@@ -19,7 +25,8 @@ batch = collator(features)
 print("position_ids", batch["position_ids"].tolist())
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model.train()
-out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
+out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+            **({"use_cache": False} if "--fixed" in sys.argv else {}))
 out.loss.backward()
 opt.step()
 
