@@ -45,7 +45,10 @@ def batch(rows: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def save(path: Path, fields: dict[str, np.ndarray]) -> None:
-    from safetensors.numpy import save_file  # only for writing the benchmark's file; maskcli reads it itself
+    try:
+        from safetensors.numpy import save_file  # only for writing the benchmark's file; maskcli reads it itself
+    except ImportError:
+        raise SystemExit("benchmarks/pack.py writes its batch with safetensors: pip install -e \".[test]\"") from None
 
     save_file({k: np.ascontiguousarray(v) for k, v in fields.items()}, str(path))
 

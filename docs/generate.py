@@ -151,6 +151,8 @@ def run(command: str, cwd: Path | None = None) -> tuple[int, str]:
     finally:
         os.chdir(before)
     shown = result.output if _args(command)[:1] == ["trace"] else result.stdout  # trace reports on stderr
+    if result.exit_code not in (0, 1) and not shown.strip():
+        shown = result.output  # (a refusal says why on stderr: `maskcli model` without transformers, the hf extra)
     return result.exit_code, "\n".join(line.rstrip() for line in shown.splitlines())
 
 

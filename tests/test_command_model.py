@@ -31,7 +31,7 @@ def test_without_transformers_the_command_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     result = model("llama")
     assert result.exit_code == 2 and result.stdout == ""
-    assert result.stderr == 'maskcli: error: maskcli model needs transformers: pip install "maskcli[hf]"\n'
+    assert result.stderr == 'maskcli: error: maskcli model needs transformers: pip install "maskcli[hf]" (in a clone of maskcli: pip install -e ".[hf]")\n'
 
 
 def test_help_imports_neither_torch_nor_transformers():

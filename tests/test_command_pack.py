@@ -536,3 +536,10 @@ def test_a_json_batch_float_past_float32_is_quoted_as_written_not_as_inf(tmp_pat
     result = pack(path)
     assert result.exit_code == 2
     assert result.stderr == "maskcli: error: position_ids holds 1e+300, not a whole number; give integers\n"
+
+
+def test_a_missing_batch_file_is_refused_with_an_inline_batch_to_try(tmp_path):
+    result = pack(tmp_path / "nosuch.json")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (f"maskcli: error: BATCH '{tmp_path / 'nosuch.json'}': no such file (give a .pt, .pth, .npy, "
+                             ".npz, .safetensors, .json file, or inline JSON like '{\"position_ids\": [[0, 1, 0, 1]]}')\n")

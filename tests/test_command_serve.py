@@ -284,7 +284,7 @@ def test_model_without_transformers_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     result = serve(WINDOW_BATCH, "--model", "llama")
     assert result.exit_code == 2
-    assert result.stderr.strip() == 'maskcli: error: serve --model needs transformers: pip install "maskcli[hf]"'
+    assert result.stderr.strip() == 'maskcli: error: serve --model needs transformers: pip install "maskcli[hf]" (in a clone of maskcli: pip install -e ".[hf]")'
 
 
 def test_png_without_a_page_table_draws_the_mask_across_and_explains_its_colours(tmp_path):

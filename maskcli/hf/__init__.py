@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from maskcli.errors import MaskError
 
-INSTALL = 'maskcli model needs transformers: pip install "maskcli[hf]"'
+INSTALL = 'maskcli model needs transformers: pip install "maskcli[hf]" (in a clone of maskcli: pip install -e ".[hf]")'
 
 
 def require(who: str = "maskcli model"):

@@ -133,7 +133,8 @@ def checked_source(source: str, flag: str) -> tuple[Path, str, int]:
     suffix = path.suffix.lower()
     if state(path) == "missing":
         unknown = f", and {suffix!r} is not a file type maskcli reads" if suffix and suffix not in READ_SUFFIXES else ""
-        raise MaskError(f"{where}: no such file{unknown} (give a {', '.join(READ_SUFFIXES)} file, or inline JSON like '[[1, 0], [1, 1]]')")
+        like = '{"position_ids": [[0, 1, 0, 1]]}' if flag == "BATCH" else "[[1, 0], [1, 1]]"  # (pack's batch of fields)
+        raise MaskError(f"{where}: no such file{unknown} (give a {', '.join(READ_SUFFIXES)} file, or inline JSON like '{like}')")
     readable_file(source, where)
     if suffix not in READ_SUFFIXES:
         raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(READ_SUFFIXES)} or inline JSON")
