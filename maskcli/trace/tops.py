@@ -23,6 +23,7 @@ from maskcli.trace.constants import main_constants
 from maskcli.trace.embedids import embed_ids, float_mask
 from maskcli.trace.fieldids import field_ids
 from maskcli.trace.handedcells import handed_cells
+from maskcli.trace.handedshapes import handed_shapes
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
 from maskcli.trace.padded import MOST, input_mask, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
@@ -148,12 +149,11 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(zero_memory(given))  # (a memory input whose padding is zeroed: checks/zeromemory.py)
     found.update(video_input(given))  # (a video latent's shape: checks/frameblocks.py)
     found.update(handed_cells(given))  # (a (B, L, L) mask the call was handed: checks/handedcausal.py)
+    found.update(handed_shapes(given))  # (the shapes of what it was handed: a new batch's length, checks/restarted.py)
     found.update(causal_arg(given))  # (a mask it was handed named causal: checks/namedcausal.py)
     found.update(lengths_over(signature, given))
     found.update(main_constants())  # (a window and layer kinds kept as the script's constants: checks/layerwindow.py)
-    convs = _convs(module)
-    if convs:
-        found["convs"] = convs
+    found.update({"convs": convs} if (convs := _convs(module)) else {})  # (its time-mixing convolutions: convpad.py)
     found.update(held or {})
     if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens", "first_ids")):
         from maskcli.trace.tokenizer import tokenizer
