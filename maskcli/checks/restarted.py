@@ -1,8 +1,8 @@
 """A new batch's first attention pass shorter than an earlier batch's handed the same shapes: state left from before.
 
-A model call that is handed tensors of the same shapes as an earlier call of the same module (a forecaster handed a
-second batch of series of one context length, a decoder handed a second prompt of one length) states a new sequence
-of the same length. Where the first call of an attention site in each is a fresh pass (its keys are its own queries:
+A model call that is handed tensors of the same shapes as an earlier call of the same module, and the same other
+arguments (numbers, flags, functions, lists by their items: trace/handedshapes.py), states a new sequence of the same
+length (a forecaster handed a second batch of series of one context length, a decoder a second prompt of one length). Where the first call of an attention site in each is a fresh pass (its keys are its own queries:
 no cache behind it), the two passes must hold as many tokens: a later one that holds fewer, starting over from an
 emptied cache, was handed only the tail of its input by state the first batch left set (lag-llama 5f0393d: reset_cache
 cleared each block's K/V but left the model's `y_cache = True`, so the next batch fed only its last step and built its
@@ -24,7 +24,6 @@ from maskcli.checks.context import Run, keep
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
-SHAPES = "handed_shapes"  # (trace/handedshapes.py)
 PADDING = ("attention_mask", "padding_mask", "key_padding_mask", "pad_mask", "input_mask", "mask", "lengths",
            "seq_lens", "seq_lengths", "input_lengths")
 
@@ -58,7 +57,7 @@ def restarted(run: Run) -> list:
     same shapes."""
     found, earlier = [], {}
     for top in run.tops:
-        shapes = top.arguments.get(SHAPES)
+        shapes = top.shapes  # (trace/handedshapes.py)
         if not shapes:
             continue
         key = (top.where, shapes)
@@ -85,7 +84,7 @@ def restarted(run: Run) -> list:
             if not seen.any():
                 continue
             b, j, k = (int(x) for x in np.argwhere(seen)[0])
-            named = ", ".join(f"{name} {tuple(shape)}" for name, shape in shapes[:3])
+            named = ", ".join(f"{name} {shape}" for name, shape in shapes if isinstance(shape, tuple) and len(shape) >= 2)
             found.append((call, Finding("restarted-from-tail", (
                 f"batch row {b}: this model call's first pass at the site holds {n} token{'s' if n != 1 else ''} over "
                 f"{n} key{'s' if n != 1 else ''} (no cache behind it), where the earlier call of {top.where} handed the "

@@ -77,7 +77,9 @@ def _positions(cos: torch.Tensor, sin: torch.Tensor, freqs: tuple | None, batch:
         if (c * c + s * s - 1).abs().max() > 1e-3:
             return None
         at = torch.atan2(s, c) / float(freqs[0][j]) * freqs[1]
-    else:  # (no frequencies: position 0 alone is read, every cos 1 and every sin 0)
+    else:  # (no frequencies: position 0 alone is read, every cos 1 and every sin 0; its first row tells most tables)
+        if (cos.reshape(-1, width)[0] - 1).abs().max() > 1e-6:
+            return None
         c, s = cos.cpu(), sin.cpu()
         if (c * c + s * s - 1).abs().max() > 1e-3 or not ((c - 1).abs().max() < 1e-6 and s.abs().max() < 1e-6):
             return None

@@ -149,7 +149,6 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(zero_memory(given))  # (a memory input whose padding is zeroed: checks/zeromemory.py)
     found.update(video_input(given))  # (a video latent's shape: checks/frameblocks.py)
     found.update(handed_cells(given))  # (a (B, L, L) mask the call was handed: checks/handedcausal.py)
-    found.update(handed_shapes(given))  # (the shapes of what it was handed: a new batch's length, checks/restarted.py)
     found.update(causal_arg(given))  # (a mask it was handed named causal: checks/namedcausal.py)
     found.update(lengths_over(signature, given))
     found.update(main_constants())  # (a window and layer kinds kept as the script's constants: checks/layerwindow.py)
@@ -166,7 +165,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if config is not None and dynamic(config):  # (its __getattr__ is the program's: the checks read it statically)
         config = StaticView(config)
     return Top(where, config, found, first, end, stated, rows=sample_rows(given),  # (each row of its tensors: a sample
-               state_writes=found.pop("state_writes", None))  # run alone, checks/batchaxis.py; outer.py's count)
+               state_writes=found.pop("state_writes", None),  # run alone, checks/batchaxis.py; outer.py's count)
+               shapes=handed_shapes(given))  # (the shapes of what it was handed: a new batch's length, checks/restarted.py)
 
 
 def cache_read(given: dict) -> dict:
