@@ -76,7 +76,13 @@ def _positions(cos: torch.Tensor, sin: torch.Tensor, freqs: tuple | None, batch:
         c, s = cos[..., j].cpu(), sin[..., j].cpu()
         if (c * c + s * s - 1).abs().max() > 1e-3:
             return None
-        at = torch.atan2(s, c) / float(freqs[0][j]) * freqs[1]
+        at = torch.atan2(s, c) / float(freqs[0][j])
+        m = freqs[0].numel() // 2  # (another column must agree: a layout other than transformers' halves, pairs
+        turned = at * float(freqs[0][m])  # interleaved as GPT-J's, holds another frequency there: not read)
+        if ((torch.cos(turned) - cos[..., m].cpu()).abs().max() > 0.05
+                or (torch.sin(turned) - sin[..., m].cpu()).abs().max() > 0.05):
+            return None
+        at = at * freqs[1]
     else:  # (no frequencies: position 0 alone is read, every cos 1 and every sin 0; its first row tells most tables)
         if (cos.reshape(-1, width)[0] - 1).abs().max() > 1e-6:
             return None
