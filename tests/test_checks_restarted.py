@@ -48,3 +48,11 @@ def test_generator_reset_keeps_warm_flag_left_padded(tmp_path):
     assert "misses the 4 keys before the tail" in found[0]["message"] and "ran 7" in found[0]["message"]
     status, fixed, report = traced(tmp_path, name, True, RESTARTED)
     assert status == 0 and not [f for f in fixed if f["severity"] in ("wrong", "suspicious")], report
+
+
+def test_a_reference_attention_handed_in_is_another_call(tmp_path):
+    """nanochat's model handed `attn=loop_attention` (each query run alone over its window, its first pass one query
+    over one key) after the same ids ran its 16-token prefill: another argument, so not the same call. Quiet."""
+    status, found, report = traced(tmp_path, "nanochat_sdpa_fallback_window_pattern_ssl_chunked_prefill_kvcache_decode",
+                                   False, Path(__file__).parent / "data" / "quiet_blind")
+    assert status == 0 and not [f for f in found if f["code"] == "restarted-from-tail"], report
