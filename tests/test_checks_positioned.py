@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 import numpy as np
 
-from checkbugs import check_bug
+from checkbugs import check_bug, first
 from maskcli.checks.positioned import _within
 
 POSITIONS = Path(__file__).parent / "data" / "positions"
@@ -64,6 +64,48 @@ def test_assisted_draft_cache_not_cropped(tmp_path):
     rejection (a softmax written by hand, learned position embeddings): 8 tokens up to position 7, 9 keys seen."""
     hit = check_bug(tmp_path, "assisted_draft_past_key_values_not_cropped", "positions-vs-keys", POSITIONS)[0]
     assert hit["expected"] == "8 keys" and "sees 9 keys" in hit["message"]
+
+
+def test_lag_llama_decode_rotary_table_built_for_one_position(tmp_path):
+    """lag-llama 4a2d099 (written blind, batch blind-fg): at each cached decode step RoPE was built for seq_len=T=1 and
+    applied with position_ids=None, so the query and all 32 cached keys were rotated at position 0. The fix rotates q
+    at position -1 of a table over the 32 keys. Both runs keep lag-llama#81's non-causal prefill (causal-lm-both-ways,
+    true of both): the fix says nothing else wrong or suspicious."""
+    from checkbugs import traced
+
+    name = "lag_llama_kv_cache_decode_rotary_positions_all_zero"
+    status, found, report = traced(tmp_path, name, False)
+    hits = [f for f in found if f["code"] == "positions-vs-keys" and f["severity"] == "wrong"]
+    assert status == 1 and hits, report
+    # a query rotated at position 0 can count one key (its own place) at most: every key past the first it sees is
+    # one whose distance the rotation lost (the decode query sees all 32 keys of the sliding cache)
+    assert tuple(hits[0]["cell"]) == first((2, 1, 32), lambda b, q, k: k > 0)
+    assert "sees 32 keys" in hits[0]["message"] and "encodes no position past 0" in hits[0]["message"]
+    assert hits[0]["expected"] == "position 31 or after"
+    status, fixed, report = traced(tmp_path, name, True)
+    assert {f["code"] for f in fixed if f["severity"] in ("wrong", "suspicious")} == {"causal-lm-both-ways"}, report
+
+
+def test_meta_llama_freqs_cis_sliced_from_zero_left_padded(tmp_path):
+    """Written another way: a precomputed complex freqs_cis (no rotary module: position 0 read as cos 1, sin 0), a
+    (B, T, H, D) cache grown by torch.cat, eager softmax, prompts left-padded by 2 and 0. Decode step 1 of row 0 sees
+    its 5 real keys (2-6) with the table of position 0."""
+    hit = check_bug(tmp_path, "meta_llama_decode_freqs_cis_sliced_from_zero_left_padded", "positions-vs-keys",
+                    POSITIONS)[0]
+    pads = (2, 0)
+    # (row 0's keys before its pads are not seen: the first key past the one a position-0 query can count)
+    assert tuple(hit["cell"]) == first((2, 1, 7), lambda b, q, k: k >= pads[b] + 1)
+    assert "sees 5 keys" in hit["message"] and "freqs_cis" in hit["message"]
+
+
+def test_rotary_positions_from_the_mask_with_every_row_left_padded_are_quiet(tmp_path):
+    """A transformers-style rotary module (inv_freq, one (cos, sin) row per batch row) fed cumsum positions, both rows
+    left-padded (by 1 and 3): each decode query's table stops at the position its real keys count, per row."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "quiet_rotary_position_ids_from_mask_all_rows_left_padded", False,
+                                   POSITIONS)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
 
 
 def _tree_cells(parents: list[int], history: int) -> np.ndarray:

@@ -43,6 +43,7 @@ class Top:
     state_writes: int | None = None  # module state assigned before the call began (trace/assigned.py: continued.py)
     pooled: list = field(default_factory=list)  # rows and positions its output was read at (trace/poolrows.py: pooledat.py)
     rewritten: tuple = ()  # batch masks an earlier call's forward rewrote, begun with (trace/rewritten.py: rewritten.py)
+    shapes: tuple = ()  # (name, shape) of each tensor argument of 2 axes or more (trace/handedshapes.py: restarted.py)
 
 
 @dataclass

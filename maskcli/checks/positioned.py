@@ -21,6 +21,10 @@ Rows are the call's batch rows; a site called once per request in one model call
 many as the positions, sglang's per-request loop) has the requests for rows. Left alone: a query that sees no key,
 its own not or one to its right (padding, a bidirectional span), calls whose queries are not as many as the
 positions, multimodal rope's (C, B, L) positions, cross-attention.
+
+A cached step's rotary table is a statement of positions too (trace/ropeat.py reads the cos/sin the attention's
+function holds): a query that sees n keys sits at position n - 1 or after, and a table whose positions all stop before
+it rotated the query (and the keys with it) before its place (lag-llama 4a2d099).
 """
 
 from __future__ import annotations
@@ -109,9 +113,46 @@ def _within(seen, placed, positions) -> tuple | None:
     return b, j, i, int(counts[b, j] - counts[b, i]), int(positions[b, j] - positions[b, i])
 
 
+def _rotated(run: Run, done: set) -> list:
+    """Each cached step (fewer queries than keys) whose rotary table (trace/ropeat.py: the cos/sin its function holds)
+    encodes no position as far as the keys a query sees count: a query that sees n keys of distinct earlier positions
+    sits at n - 1 or after, and a table whose last position is p < n - 1 rotated it before its own place (lag-llama
+    4a2d099: RoPE built for seq_len=T=1 at each decode step, the query and every cached key rotated at position 0)."""
+    found = []
+    for call in run.calls:
+        held = call.details.get("rope_positions")
+        if held is None or call.where in done:
+            continue
+        read = _seen(call, run.top(call))
+        if read is None:
+            continue
+        seen, placed = read
+        batch = seen.shape[0]
+        most = np.asarray(held["most"], dtype=np.int64)
+        most = most[:, None] if most.size == batch else np.full((batch, 1), int(most.max()))
+        counts = seen.sum(axis=2)
+        short = placed & (counts - 1 > most)
+        if not short.any():
+            continue
+        b, j = (int(x) for x in np.argwhere(short)[0])
+        p, n = int(most[b, 0]), int(counts[b, j])
+        k = int(np.flatnonzero(seen[b, j])[p + 1])  # (the first key seen past the p + 1 a position p can count)
+        done.add(call.where)
+        found.append((call, Finding("positions-vs-keys", (
+            f"batch row {b}: query {j} of this cached step sees {n} keys, yet the rotary table {held['name']} of "
+            f"{held['function']} encodes no position past {p} ({held['rows']} row{'s' if held['rows'] != 1 else ''}): "
+            f"it is rotated at position {p} or before, not {n - 1} or after, so its keys lose their distance to it "
+            f"(the table built for the step's own {call.shape[2]} token{'s' if call.shape[2] != 1 else ''}, not "
+            f"offset by the {call.shape[3] - call.shape[2]} the cache holds?)"),
+            expected=f"position {n - 1} or after", source=f"{held['name']} held by {held['function']}",
+            cell=(b, j, k))))
+    return found
+
+
 def check(run: Run) -> list:
     """Each self-attention call of a model call that states positions, against the keys its queries see."""
     found, last, counted, done = [], {}, {}, set()
+    found += _rotated(run, done)
     for top in run.tops:
         handed = _positions(top)
         if handed is None:
@@ -179,5 +220,5 @@ RULES = (
          "count the keys it sees: one that extends an earlier query's keys by n keys sits other than n positions after "
          "it (a draft tree's node at its index, not its depth), a step whose cache grew by one key moves the position "
          "by other than one, or a query sees more keys than its position counts where the site's every earlier query "
-         "saw exactly those", check),
+         "saw exactly those; or a cached step's rotary table (cos/sin) encodes no position as far as its keys count", check),
 )

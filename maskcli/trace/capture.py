@@ -23,9 +23,8 @@ import maskcli.trace.masks as readers
 import maskcli.trace.queried as queried
 import maskcli.trace.calledflag as calledflag
 import maskcli.trace.askedcausal as askedcausal
-import maskcli.trace.padfill as padfill
-import maskcli.trace.namedmasks as namedmasks
-import maskcli.trace.offgrid as offgrid
+import maskcli.trace.padfill as padfill, maskcli.trace.namedmasks as namedmasks
+import maskcli.trace.offgrid as offgrid, maskcli.trace.ropeat as ropeat  # (the rotary table a cached step applies)
 import maskcli.trace.poolspan as poolspan, maskcli.trace.padend as padend  # (the last: samples beside a held mask)
 import maskcli.trace.convpad as convpad, maskcli.trace.linearattn as linearattn  # (Σ φ(k) vᵀ: no softmax)
 from maskcli.trace.masks import Call, Operands
@@ -352,6 +351,7 @@ class Trace(Outer, Follow):
             guarded(askedcausal.note, seen.details, self.sites.stack, self.sites.walked)  # (mask="subsequent" per call)
             for note in (padfill.note, namedmasks.note, offgrid.note, poolspan.note, padend.note, self.rowsout.note):
                 guarded(note, seen.details, self.sites.walked)  # (fill flags, `x_mask`s, positions, a row mask...)
+            guarded(ropeat.note, seen.details, self.sites.walked, seen.shape)  # (checks/positioned.py)
             chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
             if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
                 seen.details["held_chunks"] = chunks

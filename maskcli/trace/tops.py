@@ -23,6 +23,7 @@ from maskcli.trace.constants import main_constants
 from maskcli.trace.embedids import embed_ids, float_mask
 from maskcli.trace.fieldids import field_ids
 from maskcli.trace.handedcells import handed_cells
+from maskcli.trace.handedshapes import handed_shapes
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
 from maskcli.trace.padded import MOST, input_mask, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
@@ -151,9 +152,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(causal_arg(given))  # (a mask it was handed named causal: checks/namedcausal.py)
     found.update(lengths_over(signature, given))
     found.update(main_constants())  # (a window and layer kinds kept as the script's constants: checks/layerwindow.py)
-    convs = _convs(module)
-    if convs:
-        found["convs"] = convs
+    found.update({"convs": convs} if (convs := _convs(module)) else {})  # (its time-mixing convolutions: convpad.py)
     found.update(held or {})
     if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens", "first_ids")):
         from maskcli.trace.tokenizer import tokenizer
@@ -166,7 +165,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if config is not None and dynamic(config):  # (its __getattr__ is the program's: the checks read it statically)
         config = StaticView(config)
     return Top(where, config, found, first, end, stated, rows=sample_rows(given),  # (each row of its tensors: a sample
-               state_writes=found.pop("state_writes", None))  # run alone, checks/batchaxis.py; outer.py's count)
+               state_writes=found.pop("state_writes", None),  # run alone, checks/batchaxis.py; outer.py's count)
+               shapes=handed_shapes(given))  # (the shapes of what it was handed: a new batch's length, checks/restarted.py)
 
 
 def cache_read(given: dict) -> dict:
