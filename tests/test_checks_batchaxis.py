@@ -84,3 +84,32 @@ def test_feature_dict_intersample_quiet(tmp_path):
     encoder handed (seq, batch, embed), and SAINT's intersample attention (one row, the samples as keys, on purpose)."""
     status, found, report = traced(tmp_path, "feature_dict_intersample_correct", False, BATCH)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_breizhcrops_encoder_attends_across_parcels(tmp_path):
+    """dl4sits/BreizhCrops#20 (796a923): the (N, T, D) batch of parcel series a DataLoader drew (batch_size 8, its
+    default collate) went into a seq-first nn.TransformerEncoder inside a Sequential: (L, N, E) read as (8, 45, 64),
+    each of the 45 time steps attends over the 8 parcels. No ids, no pad id, no sample run alone: the loader states
+    the batch axis. The fix transposes to (T, N, D) around the encoder."""
+    found = check_bug(tmp_path, "breizhcrops_transformer_encoder_attends_across_batch_not_time", "batch-axis-attended")
+    message = found[0]["message"]
+    assert "8 keys are the 8 samples of `x` given to TransformerModel" in message and "DataLoader `dataloader`" in message
+    # batch row b is time step b of every parcel, query q and key k are parcels: only a parcel's own cell is its own
+    assert tuple(found[0]["cell"]) == first((45, 8, 8), lambda b, q, k: q != k)
+
+
+def test_loader_dict_batch_time_major_sdpa(tmp_path):
+    """Written another way: a fairseq-style time-major block on SDPA (`tgt_len, bsz, embed_dim = x.size()`) handed the
+    batch-first series a DataLoader collated from a dataset of dicts, the sizes in a dict; the fix transposes first."""
+    found = check_bug(tmp_path, "loader_dict_batch_time_major_sdpa", "batch-axis-attended", BATCH)
+    assert "6 samples of `series` given to SeriesClassifier" in found[0]["message"]
+    assert tuple(found[0]["cell"]) == first((20, 6, 6), lambda b, q, k: q != k)
+    status, found, report = traced(tmp_path, "loader_dict_batch_time_major_sdpa", True, BATCH)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_loader_time_major_collate_quiet(tmp_path):
+    """Correct: a loader whose own collate pads time-major into a batch_first=False encoder, and a default-collated
+    loader into a batch_first=True one."""
+    status, found, report = traced(tmp_path, "loader_time_major_collate_correct", False, BATCH)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -40,3 +40,26 @@ def test_recency_prior_added_after_causal_softmax(tmp_path):
     found = check_bug(tmp_path, "recency_prior_added_after_causal_softmax", "unmasked-after-softmax", WEIGHTED)
     assert tuple(found[0]["cell"]) == first((4, 6, 6), lambda b, q, k: k > q)
     assert "later key" in found[0]["message"]
+
+
+def test_pykt_sparsekt_topk_resoftmax_of_first_rows(tmp_path):
+    """pykt-toolkit b602c92 ("fix sparsekt"): sparseKT's top-k attention sliced the masked softmax's weights into the
+    first k_index (5) rows and the rest, thresholded the rest at their k-th largest weight, joined the two along the
+    queries and softmaxed all of it again: the first rows' hidden keys (the strictly-past no-peek mask hides key k >= q)
+    got weight exp(0). The fix re-softmaxes only the rows after k_index (a slice of the weights' rows: quiet, its
+    thresholded keys all among the ones the first softmax kept). The reference: the first cell, by a double loop, of a
+    row before k_index that the mask leaves some key (query 0 sees none) and a key at or after the query."""
+    found = check_bug(tmp_path, "pykt_sparsekt_topk_resoftmax_unmasks_future_for_first_rows", "unmasked-after-softmax")
+    k_index = 5
+    assert tuple(found[0]["cell"]) == first((4, 24, 24), lambda b, q, k: 1 <= q < k_index and k >= q)
+    assert "runs over the weights of an earlier softmax" in found[0]["message"]
+
+
+def test_early_rows_resoftmaxed_bmm_right_padded(tmp_path):
+    """Written another way: (B * H, L, L) bmm scores of a right-padded batch, a causal mask with the diagonal and the
+    padding added as -inf, the sizes in a dataclass; the dense rows (before 3) joined to the top-k rows and softmaxed
+    again. The reference: batch row b of the folded scores is sample b // 2, a key hidden where it is later or padding."""
+    found = check_bug(tmp_path, "early_rows_resoftmaxed_bmm_right_padded", "unmasked-after-softmax", WEIGHTED)
+    lengths, dense_rows = (8, 6, 5), 3
+    hidden = lambda b, q, k: k > q or k >= lengths[b // 2]  # noqa: E731
+    assert tuple(found[0]["cell"]) == first((6, 8, 8), lambda b, q, k: q < dense_rows and hidden(b, q, k))

@@ -62,3 +62,17 @@ def test_a_term_added_to_the_weights_is_read_where_it_reaches_a_masked_key():
                         if not causal[i, j])
             assert tuple(said["cell"]) == cell and said["later"] and not said["padding"]
             assert said["cells"] == 2 * 2 * int((~causal).sum())
+
+
+def test_a_softmax_over_some_rows_of_the_weights_names_them():
+    """sparseKT's top-k: the weights sliced along their queries, a piece reshaped, thresholded and joined back in
+    order (the rows of the whole again), or one piece softmaxed alone (its rows recorded, `over_rows`)."""
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    with maskcli.trace() as t:
+        weights = torch.softmax(_scores().masked_fill(~causal, float("-inf")), dim=-1)
+        head, tail = weights[:, :, :2, :], weights[:, :, 2:, :].reshape(-1, 6)
+        tail = torch.where(tail >= 0.1, tail, torch.tensor(-1e32)).reshape(2, 2, 4, 6)
+        torch.softmax(torch.cat([head, tail], dim=2), dim=-1)
+        torch.softmax(weights[..., 3:, :], dim=-1)
+    assert [call.details.get("over_weights") for call in t.calls] == [None, 0, 0]
+    assert [call.details.get("over_rows") for call in t.calls] == [None, None, [3, 6]]

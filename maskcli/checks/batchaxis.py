@@ -16,6 +16,10 @@ DeepTab's FT-Transformer). A call of the batch whose keys are as many as its sam
 not, where the same site run on the one sample has one key and the same batch rows (its keys follow the samples,
 its batch rows do not), attends across the batch (DeepTab d2abc5a: nn.TransformerEncoderLayer left at
 batch_first=False). Quiet where the site's keys are the same in both runs (the tokens of each sample).
+
+A batch a DataLoader's default collate stacked, (B, T, D), handed to the model (trace/loaderbatch.py) states that its
+first axis is the samples too: a call whose keys are its B samples and whose batch rows its T steps attends across the
+batch (BreizhCrops#20: a seq-first nn.TransformerEncoder handed the (N, T, D) parcel series).
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def batch_axis(run: Run) -> list:
                         axes[id(top)] = (name, samples, tokens, pad_id, said, top.where)
         held = axes[id(top)]
         if held is None:
-            found += _fields(call, top)
+            found += _fields(call, top) or _loader(call, top)
             continue
         name, samples, tokens, pad_id, said, where = held
         rows, k_len = call.shape[0], call.shape[3]
@@ -99,6 +103,21 @@ def _fields(call, top) -> list:
                    f"{samples}, `{one}` one value per sample) and its {rows} batch rows are a sequence of each sample's "
                    f"fields ({max(widths)} to {sum(widths)} tokens)", f"attention over each sample's {rows} tokens",
                    f"the fields given to {top.where}")
+
+
+def _loader(call, top) -> list:
+    """A call of a model handed a batch a DataLoader collated ((B, T, D): trace/loaderbatch.py) whose keys are its B
+    samples and whose batch rows are its T tokens: each token attends the same token of the other samples."""
+    given = top.arguments.get("loader_batch")
+    if given is None:
+        return []
+    name, samples, tokens, loader, where = given
+    if call.shape[3] != samples or call.shape[0] != tokens:
+        return []
+    return _across(call, f"the {samples} samples of `{name}` given to {top.where}, a batch that DataLoader `{loader}` "
+                   f"(in {where}, batch_size={samples}, its default collate: the samples stacked on the first axis) "
+                   f"drew, and its {tokens} batch rows are their {tokens} steps", f"attention over each sample's "
+                   f"{tokens} steps", f"DataLoader `{loader}` in {where}")
 
 
 def _across(call, keys: str, expected: str, source: str) -> list:

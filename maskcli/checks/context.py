@@ -52,6 +52,7 @@ class Run:
     tops: list[Top] = field(default_factory=list)
     cross: list = field(default_factory=list)  # cross-attention calls (engine.py sets them apart: no query sits among their keys)
     unmasked: list = field(default_factory=list)  # softmax calls of sites that mask nowhere (engine.py; held.py reads them)
+    reweighed: list = field(default_factory=list)  # softmaxes over an earlier one's weights (engine.py; weighted.py)
 
     def top(self, call) -> Top | None:
         """The innermost outermost-module call that made `call` (the last one that began before it), from an index

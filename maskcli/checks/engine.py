@@ -68,10 +68,12 @@ def findings(run: Run) -> list:
                  or over_stated_padding(call, run)}
     # (a site that masks once is attention; so is one handed documents, full as its call may be: varlen.py; so is a
     # softmax over the model call's padded tokens: arguments.py)
-    calls = [call for call in run.calls if call.where in attending]
+    reweighed = [call for call in run.calls if "over_weights" in call.details]  # (a softmax over an earlier one's
+    # weights: no mask handed to it, nor its padding; judged against that softmax's mask alone, weighted.py)
+    calls = [call for call in run.calls if call.where in attending and "over_weights" not in call.details]
     crossing = [call for call in calls if cross(call)]  # its queries sit nowhere among its keys: read apart (steps.py)
-    unmasked = [call for call in run.calls if call.where not in attending]
-    run = Run([call for call in calls if not cross(call)], run.tops, crossing, unmasked)
+    unmasked = [call for call in run.calls if call.where not in attending and "over_weights" not in call.details]
+    run = Run([call for call in calls if not cross(call)], run.tops, crossing, unmasked, reweighed)
     found = []
     for check in given("run"):  # (one function may make the findings of several codes: called once)
         try:

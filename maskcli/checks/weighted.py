@@ -29,7 +29,7 @@ from maskcli.text import Finding
 
 
 def _by_index(run: Run) -> dict:
-    return {call.index: call for call in [*run.calls, *run.cross, *run.unmasked]}
+    return {call.index: call for call in [*run.calls, *run.cross, *run.unmasked, *run.reweighed]}
 
 
 def _cells(call) -> np.ndarray | None:
@@ -40,22 +40,25 @@ def _cells(call) -> np.ndarray | None:
 def resoftmaxed(run: Run) -> list:
     """(call, Finding) for each softmax over an earlier softmax's weights that keeps keys that one hid."""
     found, done, calls = [], {}, None
-    for call in [*run.calls, *run.cross, *run.unmasked]:
+    for call in [*run.calls, *run.cross, *run.unmasked, *run.reweighed]:
         first = call.details.get("over_weights")
         if first is None or call.stored is None:
             continue
         calls = calls if calls is not None else _by_index(run)
-        origin = calls.get(first)
-        key = (call.mask, None if origin is None else origin.mask)
+        origin, rows = calls.get(first), call.details.get("over_rows") or (0, None)
+        key = (call.mask, None if origin is None else origin.mask, tuple(rows))
         if key not in done:
             done[key] = None
             before, after = (None, None) if origin is None else (_cells(origin), _cells(call))
+            if before is not None:  # (the first one's query rows this one runs over: sparseKT's rows past k_index)
+                before = before[:, :, rows[0]:rows[1]]
             if before is not None and after is not None and before.shape[2:] == after.shape[2:]:
                 shape = np.broadcast_shapes(before.shape, after.shape)
                 before, after = np.broadcast_to(before, shape), np.broadcast_to(after, shape)
                 bad = ~before & before.any(axis=-1, keepdims=True) & after
                 if bad.any():
                     b, _, q, k = (int(x) for x in np.argwhere(bad)[0])
+                    q += rows[0]
                     done[key] = Finding("unmasked-after-softmax", (
                         f"this softmax runs over the weights of an earlier softmax ({origin.where}), whose mask hides "
                         f"key {k} from query {q} (batch row {b}): its weight there is 0, and exp(0) here, as heavy as "
@@ -71,7 +74,7 @@ def resoftmaxed(run: Run) -> list:
 def added_after(run: Run) -> list:
     """(call, Finding) for each softmax whose weights, something added to them, give a key its mask hides weight."""
     found, done = [], set()
-    for call in [*run.calls, *run.cross, *run.unmasked]:
+    for call in [*run.calls, *run.cross, *run.unmasked, *run.reweighed]:
         said = call.details.get("weighted_after")
         if not isinstance(said, dict) or call.where in done:
             continue

@@ -75,13 +75,15 @@ class Follow:
         from maskcli.trace.multiplied import Products
         from maskcli.trace.overflow import Overflows
         from maskcli.trace.poolrows import PoolRows
+        from maskcli.trace.rescored import Rescored
         from maskcli.trace.rowsout import RowsOut
 
         self.after, self.overflows, self.discarded = After(), Overflows(), Discarded()
         self.poolrows, self.maskmean, self.products, self.rowsout = PoolRows(), MaskMean(), Products(), RowsOut()
+        self.rescored = Rescored()  # (an exp of scores a softmax then runs over: no softmax by hand, rescored.py)
         scores = self.scores._found if self.scores is not None else {}
         self._followed = (self.overflows._found, scores, self.after._found, self.weights._found, self.poolrows._found,
-                          self.maskmean._found, self.rowsout._found)
+                          self.maskmean._found, self.rowsout._found, self.rescored._found)
 
     # --- what passes, and the mode --------------------------------------------------------------
 
@@ -196,6 +198,8 @@ class Follow:
                                  else stated_heads(self.sites.stack, HEADS + ("heads",)))
         if given is not None and self.scores.shifted and reader is not read_singleton:  # (rows filled whole, less
             reader = shifted_reader(reader, self.scores, given)  # their max: shifted.py)
+        if given is not None and self.rescored._found:  # (over an exp recorded as a softmax: that exp withdrawn)
+            self.rescored.withdraw(self, given)
         self._softmax, made = None, len(self._calls)
         self.capture(reader, args, kwargs)
         if reader is read_singleton and len(self._calls) > made:
@@ -250,6 +254,7 @@ class Follow:
             self.discarded.reads(args, kwargs)
         if softmaxed is not None:  # its weights followed: a 0/1 mask multiplied in afterwards is its mask (after.py)
             self.after.note(out, *softmaxed)
+            self.rescored.note(out, *softmaxed)  # (an exp's output: a softmax over it withdraws it, rescored.py)
             if self.scores is not None and self.scores.added:  # scores + a 0/1 mask: it masked nothing (scores.py)
                 self.scores.ones_added(readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.products.found:  # scores * a 0/1 mask: logit 0 (multiplied.py)
@@ -280,6 +285,8 @@ class Follow:
                 self.poolrows.after(func, args, kwargs)
             if followed[6] and not self.busy:  # (rows a row mask states masked out, reaching a sum: rowsout.py)
                 self.rowsout.after(func, args, kwargs, out)
+            if followed[7] and not self.busy:  # (an exp's output scaled, filled: rescored.py)
+                self.rescored.after(func, args, kwargs, out)
         if (followed[5] or func in REDUCES) and not self.busy:  # (a mean whose sum counts what its divisor does not:
             self.maskmean.after(func, args, kwargs, out, self._calls)  # maskmean.py)
         if (func in WATCHED or followed[0] or followed[1] and func in IN_PLACE) and isinstance(out, torch.Tensor) \

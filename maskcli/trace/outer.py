@@ -101,9 +101,11 @@ class Outer:
         args, kwargs = variables.get("args", ()), variables.get("kwargs", {})
         from maskcli.trace.textheld import text_held
         from maskcli.trace.tops import withheld
+        from maskcli.trace.loaderbatch import loader_batch
 
         try:  # (a mask its caller holds and did not hand over: read while the caller's frames are the call's)
-            kept = {**withheld(module, args, kwargs, frame.f_back), **text_held(module, args, kwargs, frame.f_back)}
+            kept = {**withheld(module, args, kwargs, frame.f_back), **text_held(module, args, kwargs, frame.f_back),
+                **loader_batch(module, args, kwargs, frame.f_back)}  # (a DataLoader's batch: checks/batchaxis.py)
         except (Exception, SystemExit):  # noqa: BLE001 - a program object that cannot be read: nothing read
             kept = {}
         kept["state_writes"] = assigned.WRITES[0]  # (module state assigned so far: checks/continued.py)

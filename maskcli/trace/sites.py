@@ -55,7 +55,7 @@ class Sites:
         self._local = threading.local()
         self._names: dict[int, tuple[torch.nn.Module, str]] = {}  # id -> (module, path): the module held, so its id stays
         self._taken: dict[str, int] = {}  # shown name -> id of the module that has it
-        self._steps: Counter = Counter()
+        self._steps, self.stepped = Counter(), None  # (each site's count; the site last counted: trace/rescored.py)
         self.readings = Readings()  # each call site's cross-attention reading, read at its first call (trace/crossing.py)
         self.walked = None  # the frames of the call being recorded, walked once for every reader (trace/walk.py)
 
@@ -176,7 +176,7 @@ class Sites:
         return None if found is None else found[1]
 
     def step(self, key: tuple) -> int:
-        step = self._steps[key]
+        step, self.stepped = self._steps[key], key
         self._steps[key] += 1
         return step
 

@@ -28,6 +28,13 @@ from maskcli.trace.scores import ADDS
 
 SHARE = 1e-3  # a masked key's weight counts from this share of its row's largest weight (an epsilon added does not)
 MOST = 1 << 22  # cells compared at a product at most
+CATS = frozenset({torch.cat, torch.concat, torch.concatenate})
+
+
+def _rows(start: int, stop: int, seen) -> tuple | None:
+    """The query rows (start, stop) of a softmax's weights, None where they are all of them."""
+    whole = seen.keep is not None and start == 0 and stop == int(seen.keep.shape[-2])
+    return None if whole else (start, stop)
 
 
 class Weights:
@@ -52,7 +59,9 @@ class Weights:
             prior = self.entry(given)
             if prior is not None:
                 call.details["over_weights"] = seen.details["over_weights"] = prior[1].index
-                self._keep(out, prior[1], prior[2], False)
+                if prior[4] is not None:  # (some of its query rows only: sparseKT's rows past k_index)
+                    call.details["over_rows"] = seen.details["over_rows"] = list(prior[4])
+                self._keep(out, prior[1], prior[2], False, prior[4])
             elif seen.keep is not None and "axes" not in seen.details:
                 self._keep(out, call, seen, False)
         except Exception:  # noqa: BLE001 - nothing of the trace may reach the program: weights not followed
@@ -65,6 +74,10 @@ class Weights:
         try:
             if func in PRODUCTS:
                 self._product(func, args)
+            elif func in CATS and args and isinstance(args[0], (list, tuple)):
+                self._joined(args, kwargs, out)
+            elif func is torch.Tensor.__getitem__ and out.dim() >= 2 and self._sliced(args, out):
+                return
             elif out.dim() >= 2 and out.is_floating_point():
                 self._carry(func, args, kwargs, out, scores)
         except Exception:  # noqa: BLE001 - nothing of the trace may reach the program
@@ -85,17 +98,56 @@ class Weights:
         if entry is None or out.shape[-1] != given.shape[-1] or (
                 tuple(out.shape[-2:]) != tuple(given.shape[-2:]) and out.numel() != given.numel()):
             return
-        self._keep(out, entry[1], entry[2], entry[3] or (func in ADDS and other))
+        self._keep(out, entry[1], entry[2], entry[3] or (func in ADDS and other), entry[4])
 
-    def _keep(self, out, call, seen, added: bool) -> None:
-        follow(self._found, id(out), out, call, seen, added)
+    def _sliced(self, args: tuple, out) -> bool:
+        """weights[..., a:b, :]: the query rows a to b of the weights (of the rows they held), followed with them.
+        Whether it was such a slice of fewer rows (else _carry reads it as any other call)."""
+        entry = self.entry(args[0]) if len(args) == 2 else None
+        if entry is None:
+            return False
+        given, index = args[0], args[1] if isinstance(args[1], tuple) else (args[1],)
+        if out.dim() != given.dim() or out.shape[-1] != given.shape[-1] or out.shape[:-2] != given.shape[:-2] \
+                or out.shape[-2] == given.shape[-2]:
+            return False
+        axis = given.dim() - 2  # (the query axis: each index before it a whole slice, the one on it a step-1 slice)
+        if Ellipsis in index:
+            at = index.index(Ellipsis)
+            index = index[:at] + (slice(None),) * (given.dim() - len(index) + 1) + index[at + 1:]
+        if len(index) <= axis or not all(isinstance(i, slice) and i == slice(None) for i in index[:axis]) \
+                or any(not (isinstance(i, slice) and i == slice(None)) for i in index[axis + 1:]) \
+                or not isinstance(index[axis], slice) or index[axis].step not in (None, 1):
+            return False
+        rows = entry[4] or (0, int(given.shape[-2]))
+        start, stop, _ = index[axis].indices(rows[1] - rows[0])
+        if stop - start != int(out.shape[-2]):
+            return False
+        self._keep(out, entry[1], entry[2], entry[3], _rows(rows[0] + start, rows[0] + stop, entry[2]))
+        return True
+
+    def _joined(self, args: tuple, kwargs: dict, out) -> None:
+        """torch.cat of weights pieces of one softmax along their query rows, in order: the rows they hold together."""
+        pieces = [self.entry(x) for x in args[0]]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if not pieces or any(entry is None or entry[1] is not pieces[0][1] for entry in pieces) \
+                or not isinstance(dim, int) or dim not in (-2, out.dim() - 2):
+            return
+        seen = pieces[0][2]
+        spans = [entry[4] or (0, int(x.shape[-2])) for entry, x in zip(pieces, args[0])]
+        if any(spans[i][1] != spans[i + 1][0] for i in range(len(spans) - 1)) \
+                or spans[-1][1] - spans[0][0] != int(out.shape[-2]):
+            return
+        self._keep(out, pieces[0][1], seen, any(entry[3] for entry in pieces), _rows(spans[0][0], spans[-1][1], seen))
+
+    def _keep(self, out, call, seen, added: bool, rows=None) -> None:
+        follow(self._found, id(out), out, call, seen, added, rows)
 
     def _product(self, func, args: tuple) -> None:
         operands = operands_of(func, args)
         entry = self.entry(operands[0]) if operands else None
         if entry is None or not entry[3] or "weighted_after" in entry[1].details:
             return  # (only weights something was added to: what else is computed of them keeps a masked key at 0)
-        weights, (_, call, seen, _) = operands[0], entry
+        weights, (_, call, seen, _, _) = operands[0], entry
         keep = seen.keep
         if keep is None or weights.numel() != keep.numel() or weights.numel() > MOST:
             return
