@@ -4,7 +4,8 @@ GPT-Neo states each layer's attention as a word, "global" or "local" (`attention
 [[pattern, repeats], ...], which GPTNeoConfig expands into it), and how many keys a local layer reads, `window_size`
 (its query's own key counted: modeling_gpt_neo.py keeps k > q - window_size). trace/layerkinds.py records that
 statement where a config the program's frames, its running modules or its main module keep states it, with the call's
-layer (an int `layer_idx` / `layer_id` / `layer_index` of its frames, else the number of its module path). A real
+layer (an int `layer_idx` / `layer_id` / `layer_index` of its frames, else the number of its module path where a
+running module keeps the config). A real
 query of a local layer (padding resolved per batch row: checks/real.py) that sees more than window_size + 1 keys (one
 of slack: a port that counts the keys before the query) reads keys older than any window of that size: wrong
 (NVIDIA/TensorRT-Model-Connect 78c8085f1: the GPT-Neo plugin gave every layer the plain causal mask, "our causal
@@ -36,8 +37,8 @@ def local_layers(run: Run) -> list:
         if not said or call.stored is None and id(call) not in unmasked:
             continue
         index = said.get("layer")
-        if index is None:
-            index = layer(call)
+        if index is None and said.get("held") == "module":
+            index = layer(call)  # (a module path's number speaks only under the module that keeps the config)
         kinds, size, most = said["kinds"], int(said["window"]), int(said["keys"])
         if index is None or not 0 <= index < len(kinds) or kinds[index] != "local" or (call.where, index) in done:
             continue

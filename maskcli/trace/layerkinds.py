@@ -8,12 +8,13 @@ SAM's image encoder states its the other way: `global_attn_indexes` lists the la
 grid, every other of its `num_hidden_layers` attends within window_size x window_size windows (ViTDet lists those,
 `window_block_indices`); read into the same per-layer words.
 
-Read at each attention call, cheapest first, and kept only where a statement is found: a config kept under a config's
-name (checks/intent.py NAMES: `cfg`, `config`, ...) by the program's frames (their code's variable names matched once
-a code), then by the running modules (a dict lookup a name, each module's answer kept), then a config-like value of
-the main module's globals (scanned again only when they grow). Where one is found, the call's layer: the innermost
-program frame holding an int `layer_idx` / `layer_id` / `layer_index` (a decode loop with no modules), read as
-"layer"; checks/locallayers.py falls back on the module path's number.
+Read at each attention call, and kept only where a statement is found: a config a running module keeps under a
+config's name (checks/intent.py NAMES: `config`, `cfg`, ...; a dict lookup a name, each module's answer kept), else
+one the program's frames keep under such a name (their code's variable names matched once a code), else a
+config-like value of the main module's globals (scanned again only when they grow). Where one is found, the call's
+layer: the innermost program frame holding an int `layer_idx` / `layer_id` / `layer_index` (a decode loop with no
+modules), read as "layer"; checks/locallayers.py falls back on the module path's number only where a running module
+keeps the statement ("held": "module": a module outside it, another tower under the same script, is not its layer).
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ def note(details: dict, stack: list, api: str, shape: tuple, walked) -> None:
     """details["layer_kinds"] = {"kinds", "field", "window", "source", "layer", "layer_said"} where the program states
     GPT-Neo's per-layer kinds with a local layer and a window; nothing otherwise."""
     frames = [frame for frame, _ in walked.held] if walked is not None else []
-    said = _in_frames(frames) or _in_modules(stack) or _in_main()
-    if said is None:
-        return
-    found = dict(said)
+    said = _in_modules(stack)
+    found = None if said is None else {**said, "held": "module"}
+    if found is None:
+        said = _in_frames(frames) or _in_main()
+        if said is None:
+            return
+        found = {**said, "held": "program"}  # (its layers numbered by the frames only: no module path speaks for it)
     for frame in frames:
         _, _, numbers = _names(frame.f_code)
         value = next((frame.f_locals.get(n) for n in numbers if type(frame.f_locals.get(n)) is int), None)
