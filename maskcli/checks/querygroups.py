@@ -30,8 +30,11 @@ def groups_leak(run: Run) -> list:
         if not stated or not stated.get("training") or call.where in done:
             continue
         rows, _, q_len, k_len = (int(x) for x in call.shape)
-        groups = int(stated["groups"])
-        if q_len != k_len or q_len % groups or q_len // groups < 2 or rows % groups == 0:
+        groups, queries = int(stated["groups"]), stated.get("queries")
+        if queries is not None:  # (a config states each group's queries: a row of G of them holds every group)
+            if q_len != k_len or q_len != groups * int(queries):
+                continue
+        elif q_len != k_len or q_len % groups or q_len // groups < 2 or rows % groups == 0:
             continue
         n = q_len // groups
         if any(call is one for one in run.unmasked):
@@ -47,10 +50,13 @@ def groups_leak(run: Run) -> list:
         b, h, q = (int(x) for x in np.argwhere(over)[0])
         done.add(call.where)
         source = f"{stated['field']}={groups} of {stated['module']}"
+        held = (f"{groups} x its {n} queries a group, {stated['field'].split('.')[0]}.num_queries: the groups folded "
+                f"back into each row" if queries is not None else f"not a multiple of {groups}: the groups are not in "
+                f"the batch axis")
         found.append((call, Finding("query-groups-leak", (
             f"{call.where} states {groups} query groups ({source}, in training), each decoded on its own, and attends "
-            f"{q_len} queries a row over {rows} batch row{'s' if rows > 1 else ''} (not a multiple of {groups}: the "
-            f"groups are not in the batch axis), so each row holds the {groups} groups of {n} queries; but query {q} of "
+            f"{q_len} queries a row over {rows} batch row{'s' if rows > 1 else ''} ({held}), so each row holds the "
+            f"{groups} groups of {n} queries; but query {q} of "
             f"row {b} sees {int(seen[b, h, q])} keys, more than its group's {n}: the groups attend to each other "
             f"(the split into the batch undone, or never made?)"),
             expected=f"each query sees at most its group's {n} keys", source=source, cell=(b, q, 0))))

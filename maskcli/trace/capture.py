@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import maskcli.trace.masks as readers
-import maskcli.trace.queried as queried
+import maskcli.trace.queried as queried, maskcli.trace.layerkinds as layerkinds  # (GPT-Neo's local layers)
 import maskcli.trace.calledflag as calledflag
 import maskcli.trace.askedcausal as askedcausal
 import maskcli.trace.padfill as padfill, maskcli.trace.namedmasks as namedmasks
@@ -346,7 +346,8 @@ class Trace(Outer, Follow):
             self.sites.note(seen.details, caller, seen.shape)
             # each reader of the program's frames guarded alone (sites.guarded: an object whose __class__ raises leaves
             # that reader's detail out, not the call)
-            guarded(queried.note, seen.details, self.sites.stack, seen.api, seen.shape)  # (the layer's queries, heads)
+            for note in (queried.note, layerkinds.note):  # (the layer's queries, heads; GPT-Neo's local layers)
+                guarded(note, seen.details, self.sites.stack, seen.api, seen.shape, self.sites.walked)
             guarded(calledflag.note, seen.details, self.sites.stack, self.sites.walked, seen.shape)  # (a helper's causal=)
             guarded(askedcausal.note, seen.details, self.sites.stack, self.sites.walked)  # (mask="subsequent" per call)
             for note in (padfill.note, namedmasks.note, offgrid.note, poolspan.note, padend.note, self.rowsout.note):

@@ -88,7 +88,7 @@ def folded_inputs(stack: list, shape: tuple) -> tuple[tuple[int, int], tuple[str
     return None
 
 
-def note(details: dict, stack: list, api: str = "", shape: tuple | None = None) -> None:
+def note(details: dict, stack: list, api: str = "", shape: tuple | None = None, walked=None) -> None:
     """details["query_input"] = query_input(stack), at a call whose frames hold padding (details["held_padding"]); at a
     softmax, details["stated_heads"]: the head count its innermost module that states one holds, which tells which axis
     of hand-written scores is heads (checks/heads.py). At a one-row call over several queries that another
