@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 import maskcli.trace.masks as readers
 import maskcli.trace.queried as queried, maskcli.trace.layerkinds as layerkinds  # (GPT-Neo's local layers)
-import maskcli.trace.calledflag as calledflag
-import maskcli.trace.askedcausal as askedcausal
+import maskcli.trace.calledflag as calledflag, maskcli.trace.askedcausal as askedcausal
 import maskcli.trace.padfill as padfill, maskcli.trace.namedmasks as namedmasks
 import maskcli.trace.offgrid as offgrid, maskcli.trace.ropeat as ropeat  # (the rotary table a cached step applies)
 import maskcli.trace.poolspan as poolspan, maskcli.trace.padend as padend  # (the last: samples beside a held mask)
