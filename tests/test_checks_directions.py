@@ -242,7 +242,7 @@ def test_gritlm_embedding_pass_handed_is_causal_false_is_quiet(tmp_path):
     `model(**inputs, is_causal=False)` (a padding mask alone: the caller's word against the forward's default True) and
     generates causal; after the embedding call the program zeroes the instruction tokens of the attention_mask it
     handed, for its pooling. Neither decoder-mask-not-causal nor padding-ignored (read as handed: trace/outer.py)."""
-    blind = Path(__file__).parent / "data" / "blind"
+    blind = Path(__file__).parent / "data" / "quiet_blind"
     status, found, report = traced(tmp_path, "quiet_gritlm_unified_bidirectional_embed_causal_gen", False, blind)
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
