@@ -121,3 +121,40 @@ def test_folds_that_step_whole_tokens_are_quiet_and_the_folded_view_is_not():
     assert regrouped(proj.transpose(0, 1).reshape(6, 2 * 3, 8).transpose(0, 1), -2) is None  # (MHA's (L, B·H, D))
     assert regrouped(proj.view(2 * 2, 3, 24), -2) is None  # (chunks of whole tokens: a local attention's blocks)
     assert regrouped(proj.view(2, 6, 3, 8).view(2 * 6, 3, 8), -2) is None  # (each token's heads as positions: no fold)
+
+
+def test_tgm_tgat_heads_split_by_a_copying_reshape_is_found(tmp_path):
+    # tgm-team/tgm#168 (a706f75d): TemporalAttention's K.reshape(B, n_heads, -1, head_dim) of K = Z[:, :, :out_dim], a
+    # (16, 10 neighbours, 4 heads of 16) slice of the fused KV projection: the reshape copies (no strides to read), the
+    # einsum "bhld,bhnd->bhln" multiplies it; each head's plane holds 2.5 of the 10 neighbours cut into head slices
+    found = check_bug(tmp_path, "tgm_tgat_temporal_attention_head_split_mixes_neighbors_and_padding",
+                      "positions-regrouped")
+    assert _held(found[0]["message"]) == _reference(16, 10, 4, 16)
+    assert "a reshape (a copy) of a (10, 64) projection" in found[0]["message"]
+
+
+def test_a_set_transformer_reshaping_chunked_keys_heads_first_before_sdpa_is_found(tmp_path):
+    # written otherwise: a PMA block's fused key-value Linear chunked in two, each half .reshape(B, H, N, D) (a copy),
+    # SDPA with right-padded point sets' key mask, sizes in a dataclass
+    found = check_bug(tmp_path, "set_transformer_kv_chunk_reshape_heads_first_sdpa", "positions-regrouped",
+                      folder=REGROUPED)
+    assert _held(found[0]["message"]) == _reference(4, 12, 3, 16)
+    assert "keys are a reshape (a copy)" in found[0]["message"]
+
+
+def test_copying_reshapes_are_read_only_where_heads_come_before_positions():
+    from maskcli.trace.regrouped import _split, einsum_axes
+
+    kv = torch.nn.Linear(8, 48)(torch.randn(2, 6, 8))  # (B, L, 2 · 3 heads of 8), requiring grad
+    key = kv[..., :24]  # (a strided half: any reshape of it to heads copies)
+    fact = regrouped(key.reshape(2, 3, 6, 8), -2)
+    assert fact is not None and fact["held"][:2] == _reference(2, 6, 3, 8) and fact["copied"]
+    assert regrouped(key.reshape(2, 3, 6, 8).transpose(-2, -1), -1) == fact  # (kᵀ of the copy)
+    assert regrouped(key.reshape(2, 6, 3, 8).transpose(1, 2), -2) is None  # (the fix)
+    assert regrouped(key.reshape(2, 3, 6, 8).transpose(-2, -1), -2) is None  # (its features, not its positions)
+    assert _split((2, 6, 36), (2, 6, 6, 6)) is None  # (H = L: no telling heads from positions)
+    assert _split((2, 6, 24), (2, 6, 3, 8)) is None and _split((2, 6, 24), (2, 3, 6, 8))["step"] == 8
+    with torch.no_grad():
+        assert regrouped(key.reshape(2, 6, 3, 8).transpose(1, 2), -2) is None
+    assert einsum_axes("bhld,bhnd->bhln") == (-2, -2) and einsum_axes("bhqd,bhdk->bhqk") == (-2, -1)
+    assert einsum_axes("bqhd,bkhd->bhqk") is None  # (positions not among the last two axes: not read here)

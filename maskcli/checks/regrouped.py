@@ -16,7 +16,9 @@ tabular model's per-feature tokens). The heads folded into the batch alike: a (B
 (FuxiCTR#30: AutoInt's `view(batch_size * num_heads, -1, attention_dim)`), each plane 1/H of a sample and more than
 one token. Not seen: a view copied before the kernel (its strides say nothing then), a fold whose planes are one token
 or less (the same view as each token's heads laid as positions), and the same regrouping after the kernel
-(`out.view(B, L, -1)` of a (B, H, L, D) context: Informer's later fix), which changes no mask.
+(`out.view(B, L, -1)` of a (B, H, L, D) context: Informer's later fix), which changes no mask. A copying reshape
+(tgm#168's TGAT: `K.reshape(B, n_heads, -1, head_dim)` of a slice of its fused KV projection) is read from the
+reshape's note or the copy's autograd node (trace/regrouped.py), the einsum "bhld,bhnd->bhln" like q @ kᵀ.
 """
 
 from __future__ import annotations
@@ -47,11 +49,12 @@ def _finding(call, facts: dict) -> Finding:
     (t0, f0), (t1, f1) = fact["held"][:2]
     per = max(1, tokens * step // row)
     masked = "its mask over them" if call.stored is not None else "its attention"
+    how, op = ("a reshape (a copy)", "`.reshape`") if fact.get("copied") else ("a view", "`.view`")
     return Finding("positions-regrouped", (
-        f"the kernel's {side} are a view of a ({tokens}, {row}) projection whose rows are the tokens, stepping {step} "
+        f"the kernel's {side} are {how} of a ({tokens}, {row}) projection whose rows are the tokens, stepping {step} "
         f"features a position: position 0 is token {t0} (features {f0}-{f0 + step - 1}) and position 1 token {t1} "
         f"(features {f1}-{f1 + step - 1}), so each plane holds {per} of the {tokens} tokens cut into head slices and "
-        f"{masked} orders those slices, not the tokens (a `.view` laid heads before positions where a transpose was "
+        f"{masked} orders those slices, not the tokens (a {op} laid heads before positions where a transpose was "
         f"meant)"),
         expected=f"each of the {tokens} positions one token of the projection", source="the projection the "
         f"{side} are a view of")

@@ -22,7 +22,8 @@ from maskcli.trace.poolweights import Pool, weighting
 from maskcli.trace.posbias import bias_of
 from maskcli.trace.ranked import TOPS, Ranked
 from maskcli.trace.overflow import IN_PLACE, WATCHED
-from maskcli.trace.scores import HEADS, MATMULS, as_matrix, stated_heads
+from maskcli.trace.regrouped import reshaped
+from maskcli.trace.scores import HEADS, MATMULS, RESHAPES, as_matrix, stated_heads
 from maskcli.trace.shifted import shifted_reader
 from maskcli.trace.singleton import read as read_singleton, singleton, wider
 from maskcli.trace.unseen import plain, unseen
@@ -304,6 +305,8 @@ class Follow:
                 pool.keep(self)
         if func in DISCARDED and self._pooled is not None and self._pooled.held and not self.busy:
             self._pooled.filled(args, out)  # (weights with positions filled out of their pooling: pooled.py)
+        if func in RESHAPES and not self.busy:  # (a (B, L, E) copied to (B, H, L, D): heads before positions, regrouped.py)
+            reshaped(args, out)
         if func in GATHERS and not self.busy:  # (tokens reordered in each row: permuted.py)
             noted(self)(args, kwargs, out)
         if self.scores is not None:

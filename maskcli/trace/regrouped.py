@@ -7,11 +7,21 @@ become positions, and a plane holds L / H tokens. The tensor handed to the kerne
 (its `_base`) whose step along the kernel's position axis is less than one token of it, and whose feature axis is a
 head's slice of one token, while the axis counts as many positions as the output has tokens. Read at each attention
 call from shapes and strides alone (no hook on views): checks/regrouped.py.
+
+A `.reshape` that cannot view (K and V sliced off a fused (B, L, 2·E) projection first, tgm#168's TGAT
+`K.reshape(B, n_heads, -1, head_dim)`) copies, and its copy's strides say nothing: `reshaped` notes such a copy where a
+reshape makes it (a 3-D (B, L, E) to (B, H, L, D), H·D = E, H > 1: the same regrouping), and the kernel reads the
+note where its operand is that copy or a view of it along the same positions.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+_COPIES: dict[int, tuple] = {}  # id -> (a weak reference, its fact) of reshapes copied with heads before positions
+_KEEP = 64
 
 
 def regrouped(t, axis: int) -> dict | None:
@@ -21,6 +31,10 @@ def regrouped(t, axis: int) -> dict | None:
     its first plane, (token, first feature) of the sample. None where its positions are that buffer's rows, or where
     `t` is no view of one."""
     base = t._base if isinstance(t, torch.Tensor) else None
+    if isinstance(t, torch.Tensor) and (base is None or base.dim() == 4):
+        fact = _copied(t, axis)
+        if fact is not None:
+            return fact
     if base is None or t.dim() < 3 or base.dim() not in (2, 3):
         return None
     step, row = t.stride(axis), base.stride(-2)
@@ -54,10 +68,75 @@ def _folded(t, base, length: int, row: int) -> int:
     return heads if heads > 1 and t.stride(0) * heads == length * row else 0
 
 
-def operands(q, k, turned: bool) -> dict:
-    """{"regrouped": {"query" or "key": regrouped(...)}} of a q @ kᵀ (kᵀ `turned`: its positions last) or SDPA's q, k."""
+def reshaped(args: tuple, out) -> None:
+    """At a reshape: note `out` where it copied a (B, L, E) to (B, H, L, D) (module docstring). Cheap shape tests first;
+    a reshape that views is read off its strides at the kernel instead."""
+    if not isinstance(out, torch.Tensor) or out.dim() != 4 or out._base is not None or not args:
+        return
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
+        return
+    fact = _split(tuple(x.shape), tuple(out.shape))
+    if fact is not None:
+        if len(_COPIES) >= _KEEP:
+            _COPIES.clear()
+        _COPIES[id(out)] = (weakref.ref(out), fact)
+
+
+def _split(given: tuple, out: tuple) -> dict | None:
+    """The fact of a (B, L, E) reshaped to (B, H, L, D), H·D = E, H > 1; None for any other pair of shapes."""
+    if len(given) != 3 or len(out) != 4:
+        return None
+    batch, heads, length, width = out
+    if batch != given[0] or length != given[1] or length < 2 or heads < 2 or heads == length \
+            or heads * width != given[2]:
+        return None  # ((B, L, H, D): the heads after the positions, as meant; an H equal to L cannot tell them apart)
+    row = given[2]
+    held = [((i * width) // row, (i * width) % row) for i in range(min(length, 4))]
+    return {"tokens": length, "row": row, "step": width, "held": held, "copied": True}
+
+
+def _copied(t, axis: int) -> dict | None:
+    """The fact of a reshape copy `t` is (or views) where `axis` of `t` is the copy's positions: noted at the reshape
+    where the mode saw it, or read off the copy's autograd node (a reshape that copied: an _unsafe_view of a clone,
+    which saves the shape it was handed) where the program records gradients."""
+    if t.dim() != 4:
+        return None
+    for source in (t, t._base):
+        if source is None or source.dim() != 4 or t.shape[axis] != source.shape[2] or t.stride(axis) != source.stride(2):
+            continue
+        held = _COPIES.get(id(source))
+        if held is not None and held[0]() is source:
+            return held[1]
+        node = source.grad_fn
+        if node is not None and type(node).__name__ == "UnsafeViewBackward0" and node.next_functions \
+                and type(node.next_functions[0][0]).__name__ == "CloneBackward0":
+            try:
+                given = tuple(node._saved_self_sym_sizes)
+            except (AttributeError, RuntimeError):  # (a torch that names it otherwise, or a node freed by backward)
+                return None
+            return _split(given, tuple(source.shape))
+    return None
+
+
+def einsum_axes(equation) -> tuple | None:
+    """(the query's position axis, the key's) of a q @ kᵀ einsum ("bhld,bhnd->bhln": (-2, -2)); None if not read."""
+    if not isinstance(equation, str) or "->" not in equation or "..." in equation:
+        return None
+    given, out = equation.replace(" ", "").split("->")
+    parts = given.split(",")
+    if len(parts) != 2 or len(out) < 2 or out[-2] not in parts[0] or out[-1] not in parts[1]:
+        return None
+    axes = parts[0].index(out[-2]) - len(parts[0]), parts[1].index(out[-1]) - len(parts[1])
+    return axes if all(axis in (-2, -1) for axis in axes) else None  # (positions among the last two axes, as read)
+
+
+def operands(q, k, turned: bool, axes: tuple | None = None) -> dict:
+    """{"regrouped": {"query" or "key": regrouped(...)}} of a q @ kᵀ (kᵀ `turned`: its positions last) or SDPA's q, k;
+    `axes`: the query's and key's position axes where an einsum states them."""
     found = {}
-    for name, tensor, axis in (("query", q, -2), ("key", k, -1 if turned else -2)):
+    q_axis, k_axis = axes if axes is not None else (-2, -1 if turned else -2)
+    for name, tensor, axis in (("query", q, q_axis), ("key", k, k_axis)):
         fact = regrouped(tensor, axis)
         if fact is not None:
             found[name] = fact
@@ -70,9 +149,9 @@ class Pending:
     def __init__(self):
         self.pending = None  # (the scores' shape, operands' facts)
 
-    def note(self, q, k, out) -> None:
+    def note(self, q, k, out, axes: tuple | None = None) -> None:
         """At each q @ kᵀ: its fact, or none (a later product's softmax never reads an earlier one's)."""
-        fact = operands(q, k, turned=True)
+        fact = operands(q, k, turned=True, axes=axes)
         self.pending = (tuple(out.shape), fact) if fact and isinstance(out, torch.Tensor) else None
 
     def of(self, x, call, seen) -> None:

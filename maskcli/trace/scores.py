@@ -25,7 +25,7 @@ from maskcli.trace.headadded import heads_apart
 from maskcli.trace.keyrows import key_rows, noted
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes, query_by_key as _query_by_key
 from maskcli.trace.posbias import addend as pos_addend, carried as carried_bias
-from maskcli.trace.regrouped import Pending
+from maskcli.trace.regrouped import Pending, einsum_axes as regrouped_axes
 from maskcli.trace.weakfill import WHERES, carry
 from maskcli.trace.sliced import tail
 from maskcli.trace.shifted import SUBS, filled_rows
@@ -96,6 +96,10 @@ class Scores:
                         self.tiles[id(out)] = part
                     if len(operands) == 2 and func is not torch.einsum:  # (q or kᵀ viewed with heads before positions)
                         self.regrouped.note(operands[0], operands[1], out)
+                    elif len(operands) == 2:  # (an einsum's q and k, their position axes read off its equation)
+                        axes = regrouped_axes(args[0])
+                        if axes is not None:
+                            self.regrouped.note(operands[0], operands[1], out, axes)
                     cut = tail(operands[1], turned=True) if len(operands) == 2 and func is not torch.einsum else None
                     if cut is not None and tail(operands[0]) != cut:  # (q @ kᵀ over keys sliced off a cache's tail:
                         # trace/sliced.py; q sliced alike is a packed batch's last request, its own keys)
