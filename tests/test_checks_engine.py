@@ -373,7 +373,10 @@ _NO_CALL = {"slot_attention_softmax_over_slots_no_mask", "allennlp_bidaf_masked_
             "flax_packed_segments_causal",  # (numpy alone, a port of flax's masks: trace follows torch's calls)
             # DynamicViT's softmax_with_policy is written out (exp, times the policy, over its sum: no softmax call), and
             # ProteinMPNN's softmax is over each residue's k gathered neighbours (no query-by-key matrix of positions)
-            "dynamicvit_softmax_with_policy", "proteinmpnn_random_decoding_order"}
+            "dynamicvit_softmax_with_policy", "proteinmpnn_random_decoding_order",
+            # Tacotron 2's location-sensitive attention scores each text position by v·tanh(Wq + Wk + loc), one query a
+            # decoder step: additive energies, no product of queries and keys for trace to know as scores
+            "quiet_tacotron2_location_attention_padded_memory"}
 # a finding that is true of a correct program: fairseq's left-padded prefix at step 0 leaves its padded queries' rows
 # NaN (a softmax of all -inf, pytorch/pytorch#41508), which nothing reads later; whether a program zeroes or reads such
 # rows no trace sees (test_checks_kernels.py keeps them suspicious), so the one finding is that, and no other
