@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import maskcli
-from checkbugs import check_bug
+from checkbugs import check_bug, first, traced
 from maskcli.checks.registry import severity
-from maskcli.trace.regrouped import regrouped
+from maskcli.trace.regrouped import regrouped, swapped
 
 REGROUPED = Path(__file__).parent / "data" / "regrouped"
 
@@ -158,3 +158,52 @@ def test_copying_reshapes_are_read_only_where_heads_come_before_positions():
         assert regrouped(key.reshape(2, 6, 3, 8).transpose(1, 2), -2) is None
     assert einsum_axes("bhld,bhnd->bhln") == (-2, -2) and einsum_axes("bhqd,bhdk->bhqk") == (-2, -1)
     assert einsum_axes("bqhd,bkhd->bhqk") is None  # (positions not among the last two axes: not read here)
+def _laid_reference(batch: int, tokens: int, heads: int, dim: int, offset: int = 0, width: int | None = None) -> tuple:
+    """The first (head-axis index, query, key) of the kernel's (B, L, H, H) scores at which a query and a different key
+    are slices of one token, by a double loop over `x.view(B, L, H, D)` of a (B, L, width) tensor (its part from
+    `offset`) whose values are their own (token, feature), handed on as (B, H, L, D) is read; and (token, first feature)
+    of positions 0 and 1."""
+    width = width or heads * dim
+    x = torch.arange(batch * tokens * width).view(batch, tokens, width)[..., offset:offset + heads * dim]
+    laid = x.reshape(batch, tokens, heads, dim) if x.is_contiguous() else x.unflatten(-1, (heads, dim))
+    token = lambda a, p: int(laid[0, a, p, 0]) // width  # noqa: E731 - the token kernel position p of plane a holds
+    cell = first((tokens, heads, heads), lambda a, q, k: q != k and token(a, q) == token(a, k))
+    return cell, [(token(0, p), int(laid[0, 0, p, 0]) % width) for p in range(2)]
+
+
+def test_stylish_tts_conformer_handing_sdpa_b_n_h_d_is_found(tmp_path):
+    # Stylish-TTS/stylish-tts b97a5b6 "Make SDPA working with mask": the conformer Attention rearranged q/k/v to
+    # "b n h d" before F.scaled_dot_product_attention, which reads "b h n d": each of the 40 mel frames attends over
+    # its own 8 heads (dim_head 16, k and v chunked from one to_kv Linear 256 wide)
+    found = check_bug(tmp_path, "stylish_tts_ringformer_conformer_sdpa_attends_across_heads", "heads-as-positions")
+    cell, held = _laid_reference(2, 40, 8, 16, width=256)
+    assert cell == (0, 0, 1)  # (frame 0's query at position 0 and key at position 1: two heads of frame 0)
+    assert _held(found[0]["message"]) == held
+    assert "the module states 8 heads" in found[0]["message"] and "not over the 40 tokens" in found[0]["message"]
+
+
+def test_a_music_decoder_missing_its_transpose_before_a_handwritten_softmax_is_found(tmp_path):
+    # written otherwise: a decoder-only model, config dataclass, q/k/v .view(B, T, n_head, head_dim) with no transpose,
+    # q @ kᵀ, a causal triangle built from the scores' last axis (4 x 4: over heads), torch.softmax
+    found = check_bug(tmp_path, "music_decoder_softmax_heads_as_positions", "heads-as-positions", folder=REGROUPED)
+    cell, held = _laid_reference(3, 11, 4, 8)
+    assert cell == (0, 0, 1)
+    assert _held(found[0]["message"]) == held and "not over the 11 tokens" in found[0]["message"]
+
+
+def test_bands_handed_to_sdpa_on_purpose_are_quiet(tmp_path):
+    # a frame's sub-band tokens laid (B, T, bands, D) for SDPA on purpose: its module states no head count, or one that
+    # is not its band count; the enclosing block's 6 heads (as many as bands) are not the band module's
+    status, found, report = traced(tmp_path, "subband_frame_attention_sdpa_quiet", False, REGROUPED)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
+
+
+def test_a_layout_that_lays_heads_as_positions_is_read_off_its_strides():
+    proj = torch.nn.Linear(8, 24)(torch.randn(2, 6, 8))  # (B, L, 3 heads of 8)
+    fact = swapped(proj.view(2, 6, 3, 8), -2)
+    assert fact is not None and (fact["tokens"], fact["heads"], fact["step"]) == (6, 3, 8)
+    assert fact["held"][:2] == _laid_reference(2, 6, 3, 8)[1]
+    assert swapped(proj.view(2, 6, 3, 8).transpose(1, 2), -2) is None  # (the fix: positions step whole tokens)
+    assert swapped(proj.view(2, 6, 3, 8).transpose(-2, -1), -1) == fact  # (kᵀ: its positions last)
+    assert swapped(proj.view(2, 3, 6, 8), -2) is None  # (Informer's view: positions-regrouped's)
+    assert swapped(proj.view(2, 6, 3, 8).contiguous().clone(), -2) is None  # (a copy: its strides say nothing)

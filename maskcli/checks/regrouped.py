@@ -19,6 +19,13 @@ or less (the same view as each token's heads laid as positions), and the same re
 (`out.view(B, L, -1)` of a (B, H, L, D) context: Informer's later fix), which changes no mask. A copying reshape
 (tgm#168's TGAT: `K.reshape(B, n_heads, -1, head_dim)` of a slice of its fused KV projection) is read from the
 reshape's note or the copy's autograd node (trace/regrouped.py), the einsum "bhld,bhnd->bhln" like q @ kᵀ.
+
+heads-as-positions: the transpose missing altogether, q/k/v handed (B, L, H, D) where the kernel reads (B, H, L, D)
+(Stylish-TTS b97a5b6: the conformer's `b n h d` into SDPA). The kernel's head axis then steps one token and counts a
+sample's L tokens, its positions step D features, the H heads of one token: each token attends over its own heads.
+trace/regrouped.py's `swapped` reads it off the strides; wrong only where the attention's own module (the innermost
+running one) states a head count equal to those positions: a frame's sub-bands handed to SDPA as positions on purpose
+state none, or another.
 """
 
 from __future__ import annotations
@@ -60,8 +67,45 @@ def _finding(call, facts: dict) -> Finding:
         f"{side} are a view of")
 
 
+def on_heads(run: Run) -> list:
+    """Calls whose queries or keys are laid (B, L, H, D): positions the H heads the module states, heads its tokens."""
+    found, done = [], {}
+    for call in [*run.calls, *run.cross, *run.unmasked]:
+        facts = call.details.get("heads_swapped")
+        if not facts:
+            continue
+        side = "key" if "key" in facts else "query"
+        fact = facts[side]
+        side = "keys" if side == "key" else "queries"
+        stated = facts.get("stated")
+        if stated is None or stated != fact["heads"] or stated == fact["tokens"]:
+            continue  # (only where the module's own head count is what the kernel took for positions)
+        key = (call.where, call.shape)
+        if key not in done:
+            done[key] = _on_heads(call, side, fact, stated)
+        found.append((call, done[key]))
+    return found
+
+
+def _on_heads(call, side: str, fact: dict, stated: int) -> Finding:
+    tokens, heads, step = fact["tokens"], fact["heads"], fact["step"]
+    (t0, f0), (t1, f1) = fact["held"][:2]
+    return Finding("heads-as-positions", (
+        f"the kernel's {side} are a ({tokens}, {heads}, {step}) view of a projection whose {tokens} rows are the "
+        f"tokens: its head axis steps one token and its {heads} positions step {step} features, the {heads} heads of "
+        f"one token (the module states {stated} heads): position 0 is token {t0} (features {f0}-{f0 + step - 1}) and "
+        f"position 1 token {t1} (features {f1}-{f1 + step - 1}), so each token attends over its own {heads} head slices, not "
+        f"over the {tokens} tokens, and any mask it ran with orders heads (q/k/v handed (B, L, H, D) where the kernel reads "
+        f"(B, H, L, D): a transpose missing)"),
+        expected=f"{stated} heads, each over the {tokens} tokens", source=f"the module's head count ({stated}) and the "
+        f"projection the {side} are a view of")
+
+
 RULES = (
     Rule("positions-regrouped", "wrong", "call", "queries or keys viewed out of their (B, L, H·D) projection with heads "
          "before positions (`.view(B, H, L, D)` where a transpose was meant): the kernel's mask orders head slices of "
          "tokens, not the tokens (Informer2020 7f8b80c)", regrouped),
+    Rule("heads-as-positions", "wrong", "call", "queries or keys laid (B, L, H, D) where the kernel reads "
+         "(B, H, L, D): its positions are the heads the module states, its heads the tokens (Stylish-TTS b97a5b6)",
+         on_heads),
 )

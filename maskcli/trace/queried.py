@@ -99,6 +99,7 @@ def note(details: dict, stack: list, api: str = "", shape: tuple | None = None, 
     (trace/builtflag.py)."""
     if api == "softmax" and (heads := stated_heads(stack, HEADS + ("heads", "n_local_heads"))) is not None:
         details["stated_heads"] = heads
+    own_heads(details, stack, api)  # (q or k laid (B, L, H, D): the head count its module states, trace/regrouped.py)
     if "held_padding" in details and stack:
         given = query_input(stack)
         if given is not None:
@@ -147,3 +148,15 @@ def query_tensor(q: torch.Tensor) -> tuple | None:
         return serial, q.storage_offset(), tuple(q.shape), tuple(q.stride()), base._version
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # (tensor subclasses: nothing to compare)
         return None
+
+
+def own_heads(details: dict, stack: list, api: str) -> None:
+    """The head count the innermost running module (the attention's own, not an enclosing model's) states, where q or
+    k was laid (B, L, H, D) (details["heads_swapped"]["stated"]), or at a softmax, whose q @ kᵀ is read after it
+    (details["own_heads"], where it states one: a few getattr on one module)."""
+    if "heads_swapped" in details or api == "softmax":
+        heads = stated_heads(list(stack)[-1:], HEADS + ("heads", "n_local_heads"))
+        if "heads_swapped" in details:
+            details["heads_swapped"]["stated"] = heads
+        elif heads is not None:
+            details["own_heads"] = heads

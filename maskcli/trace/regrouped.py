@@ -6,7 +6,10 @@ Informer2020 7f8b80c), the kernel's position l of head h holds features of token
 become positions, and a plane holds L / H tokens. The tensor handed to the kernel says so itself: a view of that output
 (its `_base`) whose step along the kernel's position axis is less than one token of it, and whose feature axis is a
 head's slice of one token, while the axis counts as many positions as the output has tokens. Read at each attention
-call from shapes and strides alone (no hook on views): checks/regrouped.py.
+call from shapes and strides alone (no hook on views): checks/regrouped.py. The transpose missing altogether, a
+(B, L, H, D) view handed where (B, H, L, D) is read (`swapped`), steps one token along the kernel's head axis and one
+head along its positions; the head count the attention's own module states is read then only (trace/queried.py's
+`own_heads`).
 
 A `.reshape` that cannot view (K and V sliced off a fused (B, L, 2·E) projection first, tgm#168's TGAT
 `K.reshape(B, n_heads, -1, head_dim)`) copies, and its copy's strides say nothing: `reshaped` notes such a copy where a
@@ -131,16 +134,43 @@ def einsum_axes(equation) -> tuple | None:
     return axes if all(axis in (-2, -1) for axis in axes) else None  # (positions among the last two axes, as read)
 
 
+def swapped(t, axis: int) -> dict | None:
+    """{"tokens", "heads", "row", "step", "held"} where 4-D kernel tensor `t` (B, A, P, D) (its positions `axis`, its
+    features the other of its last two) is a view of a buffer of rows (a projection's (B, L, H·D), or nn.Linear's
+    (B·L, H·D)) laid (B, L, H, D): its head axis A steps one row, a sample's L tokens, and its positions P step one
+    head's D features, the H heads of one token (or of its part of a fused row) (Stylish-TTS b97a5b6: `b n h d` handed
+    to SDPA, which reads `b h n d`). None for any other layout; shapes and strides alone. "held": (token, first
+    feature) of positions 0 .. 3 of its first plane."""
+    base = t._base if isinstance(t, torch.Tensor) else None
+    if base is None or t.dim() != 4 or base.dim() not in (2, 3):
+        return None
+    step, row = t.stride(axis), base.stride(-2)
+    if not 0 < step < row or t.stride(1) != row:
+        return None  # (positions a row apart, or a head axis that is no token axis: read first, cheap)
+    length, feature = t.shape[axis], -1 if axis in (-2, 2) else -2
+    tokens = t.shape[1]
+    if length < 2 or tokens < 2 or base.stride(-1) != 1 or row != base.shape[-1] or t.stride(feature) != 1 \
+            or t.shape[feature] != step or length * step > row or t.stride(0) != tokens * row \
+            or not t.is_floating_point():
+        return None  # (positions that are not the heads of one token, or a head axis that is not a sample's tokens)
+    offset = (int(t.storage_offset()) - int(base.storage_offset())) % t.stride(0)
+    held = [((offset + i * step) // row, (offset + i * step) % row) for i in range(min(length, 4))]
+    return {"tokens": tokens, "heads": length, "row": row, "step": step, "held": held}
+
+
 def operands(q, k, turned: bool, axes: tuple | None = None) -> dict:
     """{"regrouped": {"query" or "key": regrouped(...)}} of a q @ kᵀ (kᵀ `turned`: its positions last) or SDPA's q, k;
-    `axes`: the query's and key's position axes where an einsum states them."""
-    found = {}
+    {"heads_swapped": {"query" or "key": swapped(...)}} where they are laid (B, L, H, D); `axes`: the query's and key's
+    position axes where an einsum states them."""
+    found, flipped = {}, {}
     q_axis, k_axis = axes if axes is not None else (-2, -1 if turned else -2)
     for name, tensor, axis in (("query", q, q_axis), ("key", k, k_axis)):
-        fact = regrouped(tensor, axis)
+        fact = swapped(tensor, axis)
         if fact is not None:
+            flipped[name] = fact
+        elif (fact := regrouped(tensor, axis)) is not None:
             found[name] = fact
-    return {"regrouped": found} if found else {}
+    return {**({"regrouped": found} if found else {}), **({"heads_swapped": flipped} if flipped else {})}
 
 
 class Pending:
@@ -155,8 +185,12 @@ class Pending:
         self.pending = (tuple(out.shape), fact) if fact and isinstance(out, torch.Tensor) else None
 
     def of(self, x, call, seen) -> None:
-        """At softmax `call` over scores `x`: details["regrouped"] where the product just noted made scores of its shape."""
+        """At softmax `call` over scores `x`: details["regrouped"] where the product just noted made scores of its shape
+        (or details["heads_swapped"], its "stated" the head count the softmax's own module states: own_heads)."""
         pending, self.pending = self.pending, None
         if pending is not None and isinstance(x, torch.Tensor) and tuple(x.shape) == pending[0]:
+            if "heads_swapped" in pending[1]:
+                pending[1]["heads_swapped"]["stated"] = seen.details.get("own_heads")
             call.details.update(pending[1])
             seen.details.update(pending[1])
+
