@@ -39,6 +39,10 @@ def test_left_padded_windows_whose_key_padding_mask_counts_from_the_start(tmp_pa
 
 def _by_loop(real: np.ndarray, zero: np.ndarray) -> np.ndarray | None:
     """The padding the zeros state, by a loop over each padded row's edges; None where a row reads otherwise."""
+    kept = [[s for s in range(real.shape[1]) if real[b, s]] for b in range(real.shape[0])]
+    if all(zero[b, s] for b in range(real.shape[0]) for s in kept[b]) \
+            and any(len(kept[b]) > real.shape[1] - len(kept[b]) for b in range(real.shape[0])):
+        return None  # (no data where the mask keeps: a tensor times the padding flag, not padded samples)
     padding = np.zeros_like(real)
     for b in range(real.shape[0]):
         n = int(sum(1 for s in range(real.shape[1]) if not real[b, s]))
@@ -75,3 +79,13 @@ def test_quiet_where_the_mask_hides_the_zeros_or_the_other_end_is_data():
     assert mirrored(np.array([[True] * 5 + [False] * 3]), zero) is None  # (the mask hides the zeros: right)
     assert mirrored(np.array([[False] * 4 + [True] * 4]), zero) is None  # (4 hidden, 3 zeros: another mask)
     assert mirrored(np.array([[False] * 3 + [True] * 5]), zero)[0].tolist() == [False] * 5 + [True] * 3
+
+
+def test_quiet_where_the_input_is_zero_on_every_sample_the_mask_keeps():
+    """speechbrain#2276: FastSpeech2's sinusoids times `srcmask` (True on padding): 0 at every real position, the
+    sinusoids at the padded ones. Its zeros are the mask's complement multiplied in, not padding at the other end."""
+    real = np.array([[True] * 8, [True] * 5 + [False] * 3])
+    assert mirrored(real, real.copy()) is None
+    # (MOMENT's bug, every row padded by half, still reads: the zeros are the n samples at the other end)
+    half = np.array([[False] * 4 + [True] * 4])
+    assert mirrored(half, half.copy())[0].tolist() == [False] * 4 + [True] * 4

@@ -10,7 +10,10 @@ key made of the zero padding alone: moment-research#3, `upsample_timeseries(dire
 series with `np.pad(..., (0, n))` and zeroes `input_mask[:n]`, the start, so MOMENT's T5 encoder masks real patches
 and attends the padded tail.
 
-Quiet where a padded row's hidden samples are all 0 (the padding the mask means, or zeros on both ends), where the
+Quiet where the input is 0 on every sample the mask keeps, in every row, and some row keeps more samples than it hides
+(a row the mask keeps whole, all zeros): no data there to be padded at the other end, but a tensor multiplied by the
+padding flag itself (speechbrain#2276: FastSpeech2's positional embedding times `srcmask`, True on padding, zero at
+every real position). Quiet where a padded row's hidden samples are all 0 (the padding the mask means, or zeros on both ends), where the
 zeros at the other edge are fewer than the samples hidden (a mask of other samples: a pretraining or forecast-horizon
 mask over real data), where any padded row reads otherwise, on cross-attention, and where the attention hides the
 zero keys anyway.
@@ -31,6 +34,9 @@ def mirrored(real: np.ndarray, zero: np.ndarray) -> np.ndarray | None:
     """Bool (B, S): the samples the input's zeros pad, where in every row the mask `real` pads it hides an edge run of
     n samples not all 0 and the input holds the n samples at the other edge as 0 (and those rows alone); None else."""
     samples = real.shape[1]
+    if not (real & ~zero).any() and (real.sum(axis=1) > (~real).sum(axis=1)).any():
+        return None  # (0 on every sample the mask keeps, in a row that keeps more than it hides: no data padded at the
+        # other end, the mask's complement multiplied in; speechbrain#2276's positions times the padding flag)
     padding = np.zeros_like(real)
     for b in np.flatnonzero(~real.all(axis=1)):
         n = int((~real[b]).sum())

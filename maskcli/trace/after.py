@@ -43,6 +43,7 @@ import weakref
 import torch
 
 from maskcli.trace.followed import KEEP, follow, operands_of
+from maskcli.trace.overqueries import summed
 
 MULS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.mul_, torch.Tensor.__mul__, torch.Tensor.__rmul__,
                   torch.Tensor.__imul__})
@@ -173,6 +174,11 @@ class After:
         if len(self._read) >= KEEP:
             self._read.clear()
         self._read.add(id(weights))
+        over = call.details.get("over_queries")
+        if over is not None and "summed" not in over:  # (a softmax over the queries: its keys summed, overqueries.py)
+            how = summed(func, args, weights)
+            if how is not None:
+                over["summed"] = how
         copied = self._copied.pop(id(weights), None)
         if copied is not None:
             rows, how = copied

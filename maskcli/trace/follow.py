@@ -11,6 +11,7 @@ import torch
 
 import maskcli.trace.keyrows as keyrows
 import maskcli.trace.masks as readers
+import maskcli.trace.overqueries as overqueries
 from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.layouts import heads_first, reader as laid
 from maskcli.trace.maskmean import REDUCES
@@ -187,7 +188,10 @@ class Follow:
             if wider(args, kwargs):
                 self.singles.wider()
             return None
-        if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
+        if reader is readers.softmax and overqueries.wanted(given, args, kwargs) and self.scores.has(given) \
+                and self.scores.axes_of(given) is None:  # (over the queries of plain scores: overqueries.py)
+            reader = overqueries.read
+        elif reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
             reader = laid(reader, self.scores, args, kwargs)
         elif reader is readers.softmax and self.scores.matrices:  # one sequence's (Lq, Lk) (scores.py)
             reader = as_matrix(reader, self.scores, args, kwargs)
