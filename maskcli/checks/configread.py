@@ -57,6 +57,12 @@ def read(value, name: str, default=None):
         return default
 
 
+def field_reader(config):
+    """A reader of `config`'s fields by name, whatever keeps them: a dict's keys, else `read` (an object, a dataclass, a
+    dynamic config read statically)."""
+    return config.get if isinstance(config, dict) else (lambda name: read(config, name))
+
+
 class StaticView:
     """A `dynamic` config as the checks read it after the run: its attributes read by `read`, never by its __getattr__,
     so that no rule runs the program's attribute code (trace/tops.py keeps a model's config so)."""

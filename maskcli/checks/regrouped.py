@@ -35,18 +35,25 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
-def regrouped(run: Run) -> list:
-    """Calls whose queries or keys step inside one token of the projection they are a view of."""
+def _per_site(run: Run, field: str, make) -> list:
+    """(call, finding) for every call whose details hold `field`, the finding made by `make(call, facts)` (None: none
+    at that call) once per call site and shape."""
     found, done = [], {}
     for call in [*run.calls, *run.cross, *run.unmasked]:
-        facts = call.details.get("regrouped")
+        facts = call.details.get(field)
         if not facts:
             continue
         key = (call.where, call.shape)
-        if key not in done:
-            done[key] = _finding(call, facts)
-        found.append((call, done[key]))
+        if done.get(key) is None:
+            done[key] = make(call, facts)
+        if done[key] is not None:
+            found.append((call, done[key]))
     return found
+
+
+def regrouped(run: Run) -> list:
+    """Calls whose queries or keys step inside one token of the projection they are a view of."""
+    return _per_site(run, "regrouped", _finding)
 
 
 def _finding(call, facts: dict) -> Finding:
@@ -69,22 +76,16 @@ def _finding(call, facts: dict) -> Finding:
 
 def on_heads(run: Run) -> list:
     """Calls whose queries or keys are laid (B, L, H, D): positions the H heads the module states, heads its tokens."""
-    found, done = [], {}
-    for call in [*run.calls, *run.cross, *run.unmasked]:
-        facts = call.details.get("heads_swapped")
-        if not facts:
-            continue
-        side = "key" if "key" in facts else "query"
-        fact = facts[side]
-        side = "keys" if side == "key" else "queries"
-        stated = facts.get("stated")
-        if stated is None or stated != fact["heads"] or stated == fact["tokens"]:
-            continue  # (only where the module's own head count is what the kernel took for positions)
-        key = (call.where, call.shape)
-        if key not in done:
-            done[key] = _on_heads(call, side, fact, stated)
-        found.append((call, done[key]))
-    return found
+    return _per_site(run, "heads_swapped", _stated_heads)
+
+
+def _stated_heads(call, facts: dict) -> Finding | None:
+    """heads-as-positions' finding, only where the module's own head count is what the kernel took for positions."""
+    side = "key" if "key" in facts else "query"
+    fact, stated = facts[side], facts.get("stated")
+    if stated is None or stated != fact["heads"] or stated == fact["tokens"]:
+        return None
+    return _on_heads(call, "keys" if side == "key" else "queries", fact, stated)
 
 
 def _on_heads(call, side: str, fact: dict, stated: int) -> Finding:

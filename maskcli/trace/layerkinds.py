@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from maskcli.checks.configread import read
+from maskcli.checks.configread import field_reader
 from maskcli.checks.intent import NAMES, NUMBERS, config_like
 
 LAYERS, TYPES, WINDOW = "attention_layers", "attention_types", "window_size"
@@ -59,7 +59,7 @@ def stated(config) -> dict | None:
     (at least one) and an int window_size > 0: "keys", the most keys a local layer's query reads (GPT-Neo's window, one
     more for a port that counts the keys before the query; a SAM window's window_size² patches), "said" that in words.
     None otherwise."""
-    get = config.get if isinstance(config, dict) else (lambda name: read(config, name))
+    get = field_reader(config)
     window = get(WINDOW)
     if type(window) is not int or window <= 0:
         return None

@@ -17,7 +17,7 @@ the module keeps a value under a config's name (a dict lookup a name), fields by
 from __future__ import annotations
 
 from maskcli.checks.intent import NAMES, config_like
-from maskcli.checks.configread import read
+from maskcli.checks.configread import field_reader
 
 FIELDS = ("group_nums", "group_detr", "num_query_groups")  # detrex Group-DETR, LW-DETR / RF-DETR, their ports
 CONFIG_FIELDS = ("group_detr", "group_nums")  # a config's (its num_query_groups may be GQA's: Megatron)
@@ -52,7 +52,7 @@ def note(details: dict, stack: list) -> None:
 
 def _stated(config) -> tuple[str, int, int] | None:
     """(field, G, queries a group) where a config states G > 1 query groups and each group's queries."""
-    get = config.get if isinstance(config, dict) else (lambda field: read(config, field))
+    get = field_reader(config)
     for field in CONFIG_FIELDS:
         groups = get(field)
         if type(groups) is int and groups > 1:
