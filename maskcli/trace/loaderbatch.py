@@ -12,21 +12,20 @@ A loader with a collate_fn of the program's own (a time-major `pad_sequence`) st
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 
 import torch
 
 from maskcli.trace.held import program_frames
+from maskcli.trace.modules import forward_signature
 
 FRAMES = 4  # the program's frames searched, from the one that made the call
 
 
-@functools.cache
 def _parameters(cls) -> tuple:
+    """The names of `cls.forward`'s parameters after self (its signature read once a class: modules.py's cache)."""
     try:
-        return tuple(name for name in inspect.signature(cls.forward).parameters if name != "self")
+        return tuple(name for name in forward_signature(cls).parameters if name != "self")
     except (TypeError, ValueError):
         return ()
 

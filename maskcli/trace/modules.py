@@ -27,13 +27,14 @@ from maskcli.trace.masks import mha as read_functional
 
 
 @functools.cache
-def _signature(cls) -> inspect.Signature:
+def forward_signature(cls) -> inspect.Signature:
+    """`cls.forward`'s signature, read once a class."""
     return inspect.signature(cls.forward)
 
 
 def _arguments(module, args: tuple, kwargs: dict) -> dict:
     """The module's forward arguments by name, defaults filled in."""
-    bound = _signature(type(module)).bind(module, *args, **kwargs)
+    bound = forward_signature(type(module)).bind(module, *args, **kwargs)
     bound.apply_defaults()
     return bound.arguments
 
