@@ -190,12 +190,12 @@ def test_the_summary_wraps_between_words_on_a_narrow_terminal():
     assert text.splitlines() == [
         "blocks of causal · shape (B=1, H=1, Lq=4096, Lk=4096)",
         "block 128 x 128 (queries x keys): 32 x 32 blocks",
-        "sparsity 48.44% (BlockMask.sparsity(): the share of cells",
-        "in blocks FlexAttention skips)",
+        "sparsity 48.44% (BlockMask.sparsity(): the share of cells in",
+        "  blocks FlexAttention skips)",  # two cells in, never at column 0
         "full 496 (48.44%) · partial 32 (3.12%) · empty 496 (48.44%)",
         "blocks per query-block row: full 0-31 (median 15.5) ·",
-        "partial 1-1 (median 1) · computed 1-32 (median 16.5); rows",
-        "with no block: 0",
+        "  partial 1-1 (median 1) · computed 1-32 (median 16.5); rows",
+        "  with no block: 0",
     ]
     piped = ok(["causal", "--len", "4096", "--summary"]).stdout
     assert "sparsity 48.44% (BlockMask.sparsity(): the share of cells in blocks FlexAttention skips)\n" in piped

@@ -319,3 +319,20 @@ def test_two_files_of_different_shapes_with_why_get_the_advice_for_files_too(tmp
     )
     shared = runner.invoke(app, ["diff", "a.pt", "b.pt", "--why", "3,1", "--rows", "0:4", "--keys", "0:4"])  # the advice works
     assert shared.exit_code == 0, shared.output
+
+
+def test_at_60_columns_the_header_and_row_words_wrap_never_to_column_0():
+    """The header's shape line wrapped to column 0 ('intervals)' alone, read as a line of its own); it stands two cells
+    in now, and a row's words under their indent."""
+    narrow = runner.invoke(app, ["diff", "causal", "window(3)", "--len", "6"], env={"COLUMNS": "60"})
+    assert narrow.exit_code == 1
+    assert narrow.stdout.splitlines()[:6] == [
+        "A: causal",
+        "B: window(3)",
+        "shape (B=1, H=1, Lq=6, Lk=6) · they differ (exact, from key",
+        "  intervals)",
+        "only A allows 6 cells · only B allows 0 · both allow 15",
+        "first rows that differ:",
+    ]
+    piped = runner.invoke(app, ["diff", "causal", "window(3)", "--len", "6"], env={"COLUMNS": None})
+    assert "shape (B=1, H=1, Lq=6, Lk=6) · they differ (exact, from key intervals)\n" in piped.stdout

@@ -543,3 +543,14 @@ def test_a_missing_batch_file_is_refused_with_an_inline_batch_to_try(tmp_path):
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr == (f"maskcli: error: BATCH '{tmp_path / 'nosuch.json'}': no such file (give a .pt, .pth, .npy, "
                              ".npz, .safetensors, .json file, or inline JSON like '{\"position_ids\": [[0, 1, 0, 1]]}')\n")
+
+
+def test_at_60_columns_the_header_wraps_under_its_label():
+    """'fields: input_ids (from --input-ids), position_ids (from' went on at column 0 ('--position-ids)'); under the
+    text after its label now."""
+    result = pack("--input-ids", "5,6,2,7,2", "--position-ids", "0,1,2,0,1", "--eos-id", "2", "--use-cache", "no", columns=60)
+    assert result.exit_code == 0
+    assert result.stdout.splitlines()[1:3] == [
+        "fields: input_ids (from --input-ids), position_ids (from",
+        "        --position-ids)",
+    ]

@@ -1069,8 +1069,8 @@ def test_what_was_written_wraps_between_words_on_a_narrow_terminal(tmp_path, mon
     assert result.stderr.splitlines() == [
         f"wrote {path}",
         "the terminal map is left out beside --png for a mask of",
-        "4,096 x 4,096: the figure has it; run without --png to",
-        "print the map too",
+        "  4,096 x 4,096: the figure has it; run without --png to",  # two cells in, never at column 0
+        "  print the map too",
     ]
     piped = ok(["show", "causal", "--len", "4096", "--png", path])
     assert piped.stderr.splitlines()[1] == ("the terminal map is left out beside --png for a mask of 4,096 x 4,096: "
@@ -1100,11 +1100,12 @@ def test_the_summary_wraps_between_words_on_a_narrow_terminal():
     assert text.splitlines() == [
         "window(128) · shape (B=1, H=1, Lq=1048576, Lk=1048576)",
         "visible cells: 134,209,600 of 1,099,511,627,776 (0.01%) ·",
-        "exact, from key intervals",
+        "               exact, from key intervals",  # under its label's text, not at column 0
         "keys per query row: min 1 · median 128 · max 128",
         "rows that see no key: none",
-        "attention FLOPs: 4·D per visible cell = 536,838,400·D,",
-        "0.01% of dense (4,398,046,511,104·D) for head size D",
+        "attention FLOPs: 4·D per visible cell = 536,838,400·D, 0.01%",
+        "                 of dense (4,398,046,511,104·D) for head",
+        "                 size D",
     ]
     batched = ok(["show", "causal", "--len", "8", "--lengths", "5,3", "--heads", "2", "--summary"], env={"COLUMNS": "60"}).stdout
     assert "  keys per query row (every head's): min 1 · median 4.5 ·\n  max 5\n" in batched

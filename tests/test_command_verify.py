@@ -171,3 +171,15 @@ def test_the_header_uses_the_terminals_width_not_the_tables():
     assert result.exit_code == 0, result.output
     first = result.stdout.splitlines()[0]
     assert first.startswith("verify causal · shape (B=1, H=2, Lq=8, Lk=8, D=16) · cpu float32 · inputs: random")  # one line at 150
+
+
+def test_at_60_columns_the_title_wraps_two_cells_in():
+    """The title's further lines stood at column 0 ('Lq=5, Lk=5, D=16) · cpu float32 ...'), read as lines of their own."""
+    result = runner.invoke(app, ["verify", "document(0,0,1,1,1) & window(2)"], env={"COLUMNS": "60"})
+    assert result.exit_code == 0
+    assert result.stdout.splitlines()[:4] == [
+        "verify document(0,0,1,1,1) & window(2) · shape (B=1, H=2,",
+        "  Lq=5, Lk=5, D=16) · cpu float32 · inputs: random,",
+        "  torch.Generator().manual_seed(0)",
+        "every query row sees at least one key",
+    ]

@@ -108,7 +108,7 @@ def test_why_lines_wrap_under_their_own_text_at_60_columns_and_stay_whole_when_p
     narrow = runner.invoke(app, args, env={"COLUMNS": "60"})
     assert narrow.exit_code == 0 and narrow.stdout == (
         "query 400, key 300 of document(sizes=[300,212]) &\n"
-        "window(128): kept\n"
+        "  window(128): kept\n"
         "  & -> kept: all 2 parts keep it\n"
         "  ├─ document(sizes=[300,212]): label 1 at q 400 and kv 300,\n"
         "     kv <= q -> kept\n"  # under the kind, not at column 0 where the terminal would put it

@@ -65,10 +65,12 @@ def verify(
             f"Lk={built.frame.k_len}, D={tensors[0].shape[-1]}){where} · {torch_device} {dtype_name} · inputs: {qkv.source}\n"
             + ("\n".join(empty) if empty else "every query row sees at least one key")
         )
-        from rich.text import Text
+        from maskcli.render import labelled
 
         console = make_console()
-        console.print(Text(title))  # at the terminal's width: the table is only as wide as its columns
+
+        for line in title.split("\n"):  # at the terminal's width (the table is only as wide as its columns), never to column 0
+            console.print(labelled(line))
         console.print(backends_table(results, tolerance))
     if strict and not all(r.agrees(tolerance) for r in results):
         raise typer.Exit(1)

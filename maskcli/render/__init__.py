@@ -67,8 +67,9 @@ _LEAD = re.compile(r"maskcli: warning: |[ │├└─•]*(?:[AB]: )?")  # what
 
 def wrapped(text: str, stream) -> str:
     """`text` wrapped for `stream` with a newline at the end: on a terminal (or under COLUMNS) each line is broken at
-    its width, with its further lines under the line's text (after its indent, tree branches, bullet, or
-    `maskcli: warning: `) rather than at column 0 where the terminal would put them; piped, it is left as it is."""
+    its width, with its further lines under the line's text (after its indent, tree branches, bullet, short label, or
+    `maskcli: warning: `; two cells in where it has none) rather than at column 0 where the terminal would put them;
+    piped, it is left as it is."""
     import os
 
     columns = os.environ.get("COLUMNS", "").strip()
@@ -89,6 +90,8 @@ def wrapped(text: str, stream) -> str:
         lead = _LEAD.match(line).group(0)
         if len(line) <= width or len(lead) > width // 2:  # a lead that wide would leave too narrow a column
             console.out(line, highlight=False)
+        elif not lead:  # under its text after a short label ('visible cells: '), else two cells in: never column 0
+            console.print(labelled(line))
         else:
             console.print(hanging(lead, line[len(lead):]))
     return "".join(line.rstrip() + "\n" for line in console.file.getvalue().splitlines())

@@ -31,11 +31,13 @@ def header(difference: Difference) -> str:
 def views(difference: Difference, console, progress=None, map_width: int | None = None) -> list:
     """Header and words, then per batch row a table (small) or an exact map (large, `map_width` wide where
     given, else the console's) of the categories."""
-    out: list = [Text(header(difference), style="bold")]
+    from maskcli.render import hanging, labelled
+
+    out: list = [labelled(line, "bold") for line in header(difference).split("\n")]  # wrapped never to column 0
     if difference.rows:
         shown = row_words(difference)
         more = "" if len(shown) < 5 else " (the first 5; --json lists them too)"
-        out.append(Text("first rows that differ" + more + ":\n" + "\n".join(f"  {line}" for line in shown), style="yellow"))
+        out += [Text("first rows that differ" + more + ":", style="yellow"), *(hanging("  ", Text(line), "yellow") for line in shown)]
     a = difference.a
     f = a.frame
     few = f.q_len <= 256 and 3 * f.k_len <= console.width  # (labels made only for a table: a map of 1M rows has none)

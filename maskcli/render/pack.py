@@ -68,7 +68,9 @@ def views(report: Report, source: str, width: int = 120) -> list:
     from rich.table import Table
     from rich.text import Text
 
-    out: list = [Text(header(report, source), style="bold")]
+    from maskcli.render import labelled
+
+    out: list = [labelled(line, "bold") for line in header(report, source).split("\n")]  # wrapped never to column 0
     fields = Table(title="document boundaries per field", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for name, style in (("field", "bold"), ("row", None), ("document starts", None), ("padding", None), ("agrees", None)):
         fields.add_column(name, style=style, overflow="fold")
