@@ -513,3 +513,20 @@ def test_top_k_selected_keys_whose_gathered_padding_mask_is_never_passed_are_fou
     found = check_bug(tmp_path, "topk_selected_kv_padding_mask_not_passed", "mask-argument-dropped", folder=DROPPED)
     assert found[0]["cell"][0] == 1  # (row 0 holds no padding)
     assert "attn_mask of attend()" in found[0]["message"]
+
+
+def test_text_part_is_the_one_text_config_or_the_config_itself_where_several_are_named():
+    """MusicGen's config names two text parts (text_encoder, decoder) and its get_text_config() raises ValueError:
+    trace ended in 'unexpected ValueError ... (a maskcli bug)' on a correct MusicGen generate (quiet-zp). No part is
+    chosen for a rule then; Gemma 3's one text part is still read."""
+    transformers = pytest.importorskip("transformers")
+    from maskcli.checks.configread import text_part
+
+    musicgen = transformers.MusicgenConfig()
+    with pytest.raises(ValueError):
+        musicgen.get_text_config()
+    assert text_part(musicgen) is musicgen
+    gemma = transformers.Gemma3Config()
+    assert text_part(gemma) is gemma.text_config
+    plain = {"sliding_window": 4}
+    assert text_part(plain) is plain

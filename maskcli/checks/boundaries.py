@@ -26,13 +26,9 @@ from maskcli.checks.arguments import document_starts
 from maskcli.checks.config import layer_kind
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, layer, queries
 from maskcli.checks.real import TOKENS, Real, behind_cache, by_row, resolve
+from maskcli.checks.configread import text_part
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
-
-
-def _text_config(config):
-    found = getattr(config, "get_text_config", None)
-    return found() if callable(found) else config
 
 
 def _documents(top, rows: int, k_len: int) -> np.ndarray:
@@ -69,10 +65,10 @@ def _by_positions(top, own: np.ndarray, seen: np.ndarray, judged: np.ndarray, si
 def chunks(run: Run) -> list:
     """A chunked layer whose chunks do not start at multiples of attention_chunk_size from each row's first real token."""
     found, done = [], set()
-    if not any(getattr(_text_config(top.config), "attention_chunk_size", None) for top in run.tops):
+    if not any(getattr(text_part(top.config), "attention_chunk_size", None) for top in run.tops):
         return found  # no chunked config (most runs stop here)
     for call in run.calls:
-        config = _text_config(run.config(call))
+        config = text_part(run.config(call))
         kind = layer_kind(config, _index(call, config))
         size = getattr(config, "attention_chunk_size", None)
         if kind is None or kind[0] != "chunked_attention" or not isinstance(size, int) or size <= 0 \

@@ -98,3 +98,16 @@ def added(value, names) -> tuple[str, ...]:
         return ()  # (a class whose parameters cannot be read: nothing said to be the program's)
     return tuple(sorted(name for name in names if name not in defined
                         and not any(name in vars(base) for base in kind.__mro__)))
+
+
+def text_part(config):
+    """The text part of a composite transformers config (Gemma 3's text_config), as get_text_config() names it; the
+    config itself where it has no such method, or where it has several text parts and names none (MusicGen's
+    text_encoder and decoder: get_text_config() raises ValueError), so no rule reads one part's fields for another's."""
+    found = getattr(config, "get_text_config", None)
+    if not callable(found):
+        return config
+    try:
+        return found()
+    except ValueError:
+        return config

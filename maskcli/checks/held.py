@@ -28,7 +28,7 @@ import numpy as np
 
 from maskcli.checks.arguments import document_starts, padded_positions
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries, real_queries
-from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, seen_both_ways
+from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, handed_elsewhere, seen_both_ways
 from maskcli.checks.heldfold import folded_padding, over_memory, padded_batch as _padding
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.heldlengths import by_lengths
@@ -232,6 +232,7 @@ def held_padding(run: Run) -> list:
                 picks.append((len(tables), real, held, bad))
             if not seen_through:
                 break
+        picks = [pick for pick in picks if not handed_elsewhere(run, call, pick[2])]  # (another call's tokens')
         if not picks or not seen_through:
             continue
         held, bad = _told(picks)

@@ -63,3 +63,44 @@ def seen_both_ways(picks: list, held: dict, bad: np.ndarray) -> np.ndarray:
         return bad
     common = np.logical_and.reduce(both)
     return common if common.any() else bad
+
+
+def handed_elsewhere(run: Run, call, held: dict) -> bool:
+    """Another self-attention of the run, over another number of keys than `call`, is handed this very padding: each of
+    its real queries sees exactly the real keys, the padding's w tokens being all its keys or its last or first w. The
+    padding is those tokens', handed on: not `call`'s over a few more keys (ACT's VAE encoder handed key_padding_mask
+    over [cls, state, actions], held while ACT's encoder runs over latent, state and image features), nor, where it
+    lies within that call's longer sequence, `call`'s of w keys (its action_is_pad, there the last 8 of 10, held while
+    the decoder's learned action queries attend each other: the actions' padding is the loss's, not the queries')."""
+    table = held["rows"]
+    if held["kind"] not in ("keep", "pad") or table.ndim != 2 or table.shape[0] < 2:
+        return False
+    real, width, k_len = (table if held["kind"] == "keep" else ~table), table.shape[1], call.shape[3]
+    if real.all() or not real.any(axis=1).all() or k_len < width:
+        return False  # (fewer keys: the padding folded into the batch in chunks, heldfold.py, the same tokens)
+    done = run.__dict__.setdefault("_handed", {})
+    key = (real.tobytes(), real.shape, k_len)
+    if key not in done:  # (another number of keys, w or a few more: _handed_to)
+        done[key] = any(_handed_to(other, real) for other in run.calls
+                        if other.shape[3] != k_len and other.shape[2] == other.shape[3] and not cross(other))
+    return done[key]
+
+
+def _handed_to(other, real: np.ndarray) -> bool:
+    from maskcli.checks.context import keep
+
+    rows, width, k_len = real.shape[0], real.shape[1], other.shape[3]
+    if other.shape[0] != rows or k_len < width or k_len > width + 2 * EXTRA_KEYS:
+        return False
+    cells = keep(other)
+    if cells is None or cells.shape[0] not in (1, rows):
+        return False
+    cells = np.broadcast_to(cells.all(axis=1), (rows, k_len, k_len))
+    extra = np.ones((rows, k_len - width), dtype=bool)
+    placed = [real] if k_len == width else [np.concatenate([extra, real], axis=1), np.concatenate([real, extra], axis=1)]
+    for keys in placed:
+        sees = cells[keys]  # (each real query's row of keys)
+        expected = np.repeat(keys, keys.sum(axis=1), axis=0)
+        if np.array_equal(sees, expected):
+            return True
+    return False

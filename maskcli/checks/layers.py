@@ -27,6 +27,7 @@ from maskcli.checks.arguments import document_starts
 from maskcli.checks.config import layer_kind
 from maskcli.checks.intent import fields_of, intent
 from maskcli.checks.context import Run, equals, first_cell, found_padding, keep, layer, queries
+from maskcli.checks.configread import text_part
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -62,7 +63,7 @@ def _kind(run: Run, call, top, index: int) -> tuple[tuple[str, str] | None, obje
     config = top.config
     held = run.__dict__.setdefault("_parts", {})
     if id(top) not in held:  # (read once per model call)
-        text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+        text = text_part(config)
         held[id(top)] = (top, text if text is not config and not fields_of(config) else None)
     text = held[id(top)][1]
     if text is None:

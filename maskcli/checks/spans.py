@@ -36,6 +36,7 @@ from maskcli.checks import eoiprefix
 from maskcli.checks.config import layer_kind
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, layer, queries
 from maskcli.checks.intent import intent
+from maskcli.checks.configread import text_part
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -74,11 +75,6 @@ FAMILIES = {
     "paligemma": Family("token_type_ids", lambda t: one_span(t == 0), "prefix", "suffix", "all"),
     "molmo2": Family("mm_token_type_ids", lambda t: one_span(t == 1), "image", "text", "all"),
 }
-
-
-def _text_config(config):
-    found = getattr(config, "get_text_config", None)
-    return found() if callable(found) else config
 
 
 CONFIG_CLASSES = {"Gemma3Config": "gemma3", "Gemma4Config": "gemma4", "PaliGemmaConfig": "paligemma", "Molmo2Config": "molmo2"}
@@ -140,7 +136,7 @@ def _family(top, rows: int = 0, length: int = 0) -> tuple[Family, np.ndarray] | 
     family = FAMILIES.get(_model_type(config))
     if family is None:
         return None if top is None or not length else _stated(top, rows, length)
-    if not family.on(_text_config(config)):
+    if not family.on(text_part(config)):
         return None
     given = top.arguments.get(family.argument)
     if not isinstance(given, np.ndarray) or given.ndim != 2:
@@ -265,7 +261,7 @@ def _length(top, call) -> int:
 
 
 def _kind(run: Run, call) -> str:
-    found = layer_kind(_text_config(run.config(call)), layer(call))
+    found = layer_kind(text_part(run.config(call)), layer(call))
     return "all" if found is None else found[0]
 
 
@@ -347,7 +343,7 @@ def check(run: Run) -> list:
     """Each layer's cells above the diagonal against the spans its model call's token types make bidirectional."""
     found, done = [], set()
     for call, top, family, ids, own in _spanned(run):
-        text = _text_config(top.config)
+        text = text_part(top.config)
         kind = (layer_kind(text, layer(call)) or ("full_attention", ""))[0]
         window = getattr(text, "sliding_window", None)
         if family.argument.startswith("input_ids "):  # (placed by a config of the program's: the intent's kind, window)
