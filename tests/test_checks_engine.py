@@ -364,7 +364,7 @@ _FLEX = {"packed_documents_flex_cu_seqlens", "self_forcing_block_causal_video", 
          "nat_neighborhood_attention_flex_clamped_windows",
          "lingua_mask_string_causal_sdpa_flex_block_causal", "trl_dpo_padding_free_position_ids_flex_document_mask",
          "quiet_selfforcing_wan_blockwise_causal_flex", "quiet_torchtune_packed_flex_block_causal",
-         "quiet_transfusion_pytorch_flex_modality_bidirectional_spans"}
+         "quiet_transfusion_pytorch_flex_modality_bidirectional_spans", "quiet_self_forcing_wan_blockwise_causal_frame_flex_mask"}
 # softmax over the queries (slot attention's slots compete for each input): not attention over keys, so no call is
 # recorded, and the report says 0 calls rather than reading the slots as keys; and BiDAF's trilinear similarity (a
 # Linear over [p; q; p * q], no product of queries and keys) is scores trace does not know as such
