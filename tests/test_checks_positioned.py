@@ -108,6 +108,39 @@ def test_rotary_positions_from_the_mask_with_every_row_left_padded_are_quiet(tmp
     assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
 
 
+def test_roformer_cached_decode_sinusoidal_pos_restarts_at_zero(tmp_path):
+    """transformers#22416 (written blind, batch blind-fo): RoFormer's cache branch joined the new key unrotated and
+    RoFormerEncoder built `sinusoidal_pos` (sin | cos on the last axis, no inv_freq: position 0 read alone) from 0 at
+    every step; the fix rotates at positions from past_key_values_length. Decode step 1 of a 12-token prompt: the query
+    sees 13 keys (no padding) with a table of position 0."""
+    hit = check_bug(tmp_path, "transformers_roformer_causal_lm_cached_decode_rotary_positions_restart",
+                    "positions-vs-keys")[0]
+    # a query at position 0 can count one key (its own place): the first key past it whose distance is lost
+    assert tuple(hit["cell"]) == first((2, 1, 13), lambda b, q, k: k >= 1)
+    assert "sees 13 keys" in hit["message"] and "sinusoidal_pos" in hit["message"]
+    assert hit["expected"] == "position 12 or after"
+
+
+def test_gptj_sincos_positions_restart_left_padded(tmp_path):
+    """Written another way: a GPT-J-style joined `sincos` (an inv_freq module, read exactly), a dict config, SDPA behind
+    a bool mask, prompts of 5 and 8 left-padded to 8: the first decode step numbers its token 0 while row 0's query
+    sees its 6 real keys (3-8); the fix's cumsum positions stop where each row's real keys count."""
+    hit = check_bug(tmp_path, "gptj_sincos_decode_positions_restart_left_padded", "positions-vs-keys", POSITIONS)[0]
+    pads = (3, 0)
+    assert tuple(hit["cell"]) == first((2, 1, 9), lambda b, q, k: k >= pads[b] + 1)
+    assert "sees 6 keys" in hit["message"] and "sincos" in hit["message"]
+
+
+def test_rerotated_rolling_cache_numbered_from_zero_is_quiet(tmp_path):
+    """A rolling cache of unrotated keys re-rotated at 0..S-1 every step: positions restart at 0 yet reach as far as
+    the keys count (the table read through inv_freq: its last position is the query's)."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "quiet_sincos_rerotated_rolling_cache_positions_from_zero", False,
+                                   POSITIONS)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
+
+
 def _tree_cells(parents: list[int], history: int) -> np.ndarray:
     """Bool (1, T, history + T): every node sees the history, itself and its ancestors (a double loop)."""
     n = len(parents)

@@ -38,3 +38,20 @@ def test_without_frequencies_only_position_zero_is_read():
     assert _positions(cos, sin, None, 1) == [0]
     cos, sin, _ = _table([7.0], 32, 10000.0)
     assert _positions(cos, sin, None, 1) is None
+
+
+def test_a_joined_table_is_split_by_its_name():
+    """One tensor of sin and cos joined on the last axis: sin first (RoFormer's sinusoidal_pos, GPT-J's sincos), cos
+    first where the name says so; a tensor of another name or an odd width is no table."""
+    from maskcli.trace.ropeat import _table as held
+
+    cos, sin, freqs = _table([[4.0, 9.0]], 16, 10000.0)
+    half = cos.shape[-1] // 2
+    for name, joined in (("sinusoidal_pos", torch.cat([sin[..., :half], cos[..., :half]], -1)),
+                         ("sincos", torch.cat([sin[..., :half], cos[..., :half]], -1)),
+                         ("cos_sin", torch.cat([cos[..., :half], sin[..., :half]], -1))):
+        found = held({name: joined})
+        assert found is not None and found[0] == name
+        assert _positions(found[1], found[2], freqs, 1) == [9]
+    assert held({"sinusoids": torch.cat([sin, cos], -1)}) is None
+    assert held({"sincos": torch.zeros(2, 7)}) is None

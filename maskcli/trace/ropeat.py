@@ -2,12 +2,13 @@
 
 Where an attention call's queries are fewer than its keys (a step over a cache), the function that made the call holds
 the rotary table it rotated them with (`cos, sin`, or `position_embeddings` as transformers hands it; `freqs_cis`, a
-complex one). Each position p is encoded as angles p·f for the rotary frequencies f: the lowest frequency's angle, over
-f and times a linear scaling factor where the module states one, gives p without wrapping for any length a model holds.
-The frequencies are the `inv_freq` buffer of a module a program frame's `self` holds (the attention's, else the
-model's around it, as transformers keeps its rotary module); without one, only a table of position
-0 alone (every cos 1, every sin 0: whatever the frequencies) is read. Read only at a cached step's call, on one column
-of the table (O(L), nothing per token in Python). checks/positioned.py reads it against the keys each query sees.
+complex one; RoFormer's `sinusoidal_pos` or GPT-J's `sincos`, sin and cos joined on the last axis). Each position p is
+encoded as angles p·f for the rotary frequencies f: the lowest frequency's angle, over f and times a linear scaling
+factor where the module states one, gives p without wrapping for any length a model holds. The frequencies are the
+`inv_freq` buffer of a module a program frame's `self` holds (the attention's, else the model's around it, as
+transformers keeps its rotary module); without one, only a table of position 0 alone (every cos 1, every sin 0:
+whatever the frequencies) is read. Read only at a cached step's call, on one column of the table (O(L), nothing per
+token in Python). checks/positioned.py reads it against the keys each query sees.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 PAIRS = (("cos", "sin"), ("cos_q", "sin_q"))
 TUPLES = ("position_embeddings", "rotary_emb", "rotary_pos_emb")
 COMPLEX = ("freqs_cis", "freqs_complex", "rope")
+JOINED = (("sinusoidal_pos", True), ("sincos", True), ("sin_cos", True), ("cos_sin", False))  # (one tensor, its last
+# axis the two halves, sin first where the name says so: RoFormer's sinusoidal_pos, GPT-J's and CodeGen's sincos)
 FRAMES = 2  # the innermost program frames read: the attention's forward and the function it was called from
 _FREQ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (inv_freq, scaling factor) or None
 
@@ -60,6 +63,11 @@ def _table(variables: dict):
         held = variables.get(name)
         if type(held) is torch.Tensor and held.is_complex():
             return name, held.real, held.imag
+    for name, sin_first in JOINED:
+        held = variables.get(name)
+        if type(held) is torch.Tensor and held.dim() >= 1 and held.shape[-1] >= 2 and held.shape[-1] % 2 == 0:
+            first, second = held.chunk(2, dim=-1)
+            return (name, second, first) if sin_first else (name, first, second)
     return None
 
 
