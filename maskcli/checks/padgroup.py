@@ -12,7 +12,8 @@ apart (its id met nowhere else in the row) and another row's run shares the id o
 contradict their own scheme, and an attention call over the model call's rows that lets that row's pads and its
 real tokens see each other is wrong (Moonbeam be25f5b: the counter started at 0, so the first piece's notes and
 pads were one block). Left alone: every row alike (a scheme that never sets padding apart states nothing of it), a
-0/1 attention_mask (a padding mask, arguments.py's), a row whose every token is the pad, a mask that keeps them apart.
+0/1 attention_mask (a padding mask, arguments.py's), a row whose every token is the pad, a mask that keeps them apart,
+a pad id that is also the EOS or BOS, and a run of one token that shares its group (a real EOS at the pad id).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def _pad_token(top, tokens: np.ndarray) -> tuple[int, str] | None:
     """(the pad token, how it is known): the stated pad id, else the one token that pads every padded row's edge."""
     pad = top.arguments.get("pad_id")
     if isinstance(pad, int) and "field_ids" not in top.arguments:
+        if pad in {top.arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")}:
+            return None  # (a pad id that is also the EOS or BOS ends or starts real text: its run is not padding)
         return pad, f"the pad id {pad}"
     ends = {int(row[-1]) for row in tokens if row[-1] == row[-2]} | {int(row[0]) for row in tokens if row[0] == row[1]}
     if len(ends) != 1:
@@ -86,7 +89,8 @@ def _rows(groups: np.ndarray, runs: np.ndarray) -> tuple[list, list]:
         at = np.flatnonzero(pads)
         beside = at[0] - 1 if at[0] > 0 else at[-1] + 1
         if groups[b][pads][0] == groups[b][beside]:
-            shared.append(b)
+            if pads.sum() >= 2:  # (one token at the edge may be a real EOS at the pad id: no padding said)
+                shared.append(b)
         elif not np.isin(groups[b][pads], groups[b][real]).any():
             apart.append(b)
     return apart, shared
