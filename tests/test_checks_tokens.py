@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 from checkbugs import check_bug, first
@@ -551,3 +552,60 @@ def test_a_linear_attentions_key_summary_is_read_from_its_equation_alone():
     assert _summary("bhqd,bhkd->bhqk", (4, 4)) is None  # q @ kᵀ: summed over the features
     assert _summary("bhqk,bhkd->bhqd", (4, 4)) is None  # the weights @ v: the weights' own axis is no feature
     assert _summary("nhld,nhlm->nhldm", (4, 4)) is None  # the causal form's outer products (then a prefix sum)
+
+
+def _loaded(path: Path, name: str):
+    """The program run as a module (its buggy path: no --fixed in pytest's argv), for the data it builds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_moonbeam_packed_block_diagonal_mask_without_causal_under_a_shifted_labels_loss(tmp_path):
+    """guozixunnicolas/Moonbeam-MIDI-Foundation-Model a7d3f9f (written blind, batch blind-fl): _update_causal_mask turns
+    the per-note piece numbers of a packed chunk into a same-piece mask and never adds causality; the model's own loss
+    takes its `labels` one position on (they are the notes' fields remapped to the heads' vocabulary, not the ids)."""
+    name = "moonbeam_packed_block_diagonal_mask_missing_causal"
+    found = check_bug(tmp_path, name, "sees-its-target")
+    pieces = _loaded(Path(__file__).parent / "data" / "bugs" / f"{name}.py", "moonbeam_a7d3f9f").batch["attention_mask"]
+    pieces = pieces.tolist()
+    # upstream meaning: a note may attend the notes before it in its own piece; query q's answer is note q + 1
+    leaks = [(b, q) for b in range(2) for q in range(63) if pieces[b][q] == pieces[b][q + 1]]
+    assert tuple(found[0]["cell"]) == first((2, 64, 64), lambda b, q, k: k == q + 1 and pieces[b][q] == pieces[b][k])
+    assert f"the `labels` of LlamaForCausalLM shifted by one; {len(leaks)} such queries" in found[0]["message"]
+
+
+def test_a_unit_lm_packed_by_segments_whose_labels_are_not_its_ids_without_causal(tmp_path):
+    """The same bug written another way: an eager softmax keeps each packed utterance to itself (segment_ids in a batch
+    dict, right padding) with no causal part, and the forward's loss shifts labels that are the raw units, not the ids."""
+    name = "unit_lm_packed_segments_labels_not_ids_no_causal"
+    found = check_bug(tmp_path, name, "sees-its-target", folder=TOKENS)
+    program = _loaded(TOKENS / f"{name}.py", "unit_lm")
+    g = torch.Generator().manual_seed(1)  # (the program's utterances, packed by its own collator)
+    utterances = [torch.randint(0, 20, (n,), generator=g).tolist() for n in (5, 7, 4, 6, 8, 3)]
+    batch = program.pack(utterances, 20, program.CONFIG)
+    seg, labels = batch["segment_ids"].tolist(), batch["labels"].tolist()
+    counted = [(b, q) for b in range(2) for q in range(19) if seg[b][q] == seg[b][q + 1] > 0 and labels[b][q + 1] != -100]
+    assert tuple(found[0]["cell"]) == first((2, 20, 20), lambda b, q, k: k == q + 1 and (b, q) in counted)
+    assert f"the `labels` of UnitLMForCausalLM shifted by one; {len(counted)} such queries" in found[0]["message"]
+
+
+def test_a_masked_unit_predictor_on_unshifted_labels_attending_both_ways_is_quiet(tmp_path):
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "unit_encoder_masked_prediction_labels_both_ways", False, TOKENS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_labels_are_read_as_the_targets_one_position_on_and_never_unshifted():
+    from maskcli.trace.losses import _labels_shifted
+
+    labels = np.array([[[0, 5, 6], [0, 7, 1], [0, 2, 2], [0, 9, 3]]])  # (B, L, F): one label vector a position
+    axis, predicts = _labels_shifted(labels[:, 1:].reshape(-1), labels, -100)
+    assert axis == 1 and predicts.tolist() == [[True, True, True, False]]
+    assert _labels_shifted(labels.reshape(-1), labels, -100) is None  # the labels at their own positions: no shift
+    padded = np.concatenate([labels[:, 1:], np.full((1, 1, 3), -100)], axis=1)  # ForCausalLMLoss pads with ignore
+    assert _labels_shifted(padded.reshape(-1), labels, -100)[1].tolist() == [[True, True, True, False]]

@@ -281,11 +281,12 @@ def targets(run: Run) -> list:
             bad[:, q, q + 1] = (cells[:, q, q + 1] | uniform[:, q]) & predicts[:, q]
             if bad.any():
                 b, q, k = first_cell(bad)
+                by = f"`{top.arguments['next_token_by']}`" if "next_token_by" in top.arguments else "input ids"
                 how = (f"sees no key, and its finite fill gives it uniform weights over every key: it sees key {k}"
                        if uniform[b, q] else f"sees key {k}")
                 found.append((call, Finding("sees-its-target", (
                     f"batch row {b}: query {q} {how}, the token its loss asks it to predict (the targets of the "
-                    f"program's loss are the input ids of {top.where} shifted by one; {int(bad.sum())} such queries): "
+                    f"program's loss are the {by} of {top.where} shifted by one; {int(bad.sum())} such queries): "
                     f"a next-token model needs a causal mask" + (LINEAR if call.details.get("by_hand") == "linear" else "")),
                     expected="causal", source="the loss's targets",
                     cell=(b, q, k))))

@@ -67,15 +67,43 @@ def _of_ids(target: np.ndarray, arguments: dict, ignore: int) -> tuple[int, np.n
     """_shifted against the model call's ids: those kept by name, else each field of a compound-word model's (B, L, F)
     ids (trace/fieldids.py: a field's head trained on the next position's field)."""
     ids = next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray)), None)
-    if ids is not None:
-        return _shifted(target, ids, ignore) if ids.ndim == 2 else None
     fields = arguments.get("field_ids")
-    if isinstance(fields, tuple) and target.ndim == 2 and target.shape[0] == fields[1].shape[0]:
+    if ids is not None:
+        found = _shifted(target, ids, ignore) if ids.ndim == 2 else None
+    elif isinstance(fields, tuple) and target.ndim == 2 and target.shape[0] == fields[1].shape[0]:
         for field in range(fields[1].shape[-1]):
             found = _shifted(target, fields[1][..., field], ignore)
             if found is not None and found[0] == 1:  # (batch-first, as the fields' own axes are)
                 return found
-    return None
+        found = None
+    else:
+        found = None
+    labels = arguments.get("loss_labels")
+    if found is None and isinstance(labels, tuple):  # (the labels it was handed, which need not be its ids)
+        found = _labels_shifted(target, labels[1], ignore)
+        if found is not None:
+            arguments["next_token_by"] = labels[0]
+    return found
+
+
+def _labels_shifted(target: np.ndarray, labels: np.ndarray, ignore: int) -> tuple[int, np.ndarray] | None:
+    """(1, bool (B, L): the positions whose next label the loss counts) where the loss's targets are the model call's
+    `labels` (B, L) or (B, L, F) one position on, batch-first as models take them (their last position left out, or
+    filled with the ignore index: transformers' ForCausalLMLoss pads the shifted labels), and not the labels unshifted."""
+    length = labels.shape[1]
+    nxt, head = labels[:, 1:], labels[:, :-1]
+    if target.size == labels.size:
+        pred = target.reshape(labels.shape)[:, :-1]
+    elif target.size == nxt.size:
+        pred = target.reshape(nxt.shape)
+    else:
+        return None
+    valid = pred != ignore
+    if valid.sum() < 2 or not (pred[valid] == nxt[valid]).all() or (pred[valid] == head[valid]).all():
+        return None
+    predicts = np.zeros(labels.shape[:2], bool)
+    predicts[:, :length - 1] = valid.reshape(*valid.shape[:2], -1).any(axis=-1)
+    return 1, predicts
 
 
 def _loss_mask(target: torch.Tensor) -> np.ndarray | None:

@@ -102,10 +102,12 @@ class Outer:
         from maskcli.trace.textheld import text_held
         from maskcli.trace.tops import withheld
         from maskcli.trace.loaderbatch import loader_batch
+        from maskcli.trace.heldinput import withheld_input
 
         try:  # (a mask its caller holds and did not hand over: read while the caller's frames are the call's)
             kept = {**withheld(module, args, kwargs, frame.f_back), **text_held(module, args, kwargs, frame.f_back),
-                **loader_batch(module, args, kwargs, frame.f_back)}  # (a DataLoader's batch: checks/batchaxis.py)
+                **loader_batch(module, args, kwargs, frame.f_back),  # (a DataLoader's batch: checks/batchaxis.py)
+                **withheld_input(module, args, kwargs, frame.f_back)}  # (conditioning never handed: condwithheld.py)
         except (Exception, SystemExit):  # noqa: BLE001 - a program object that cannot be read: nothing read
             kept = {}
         kept["state_writes"] = assigned.WRITES[0]  # (module state assigned so far: checks/continued.py)

@@ -26,6 +26,7 @@ from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.handedshapes import handed_shapes
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
+from maskcli.trace.labelids import shifted_labels
 from maskcli.trace.padded import MOST, input_mask, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
 from maskcli.trace.samplefields import sample_fields
 from maskcli.trace.samplerows import sample_rows
@@ -138,9 +139,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(_zeros(given, found))
     found.update(embed_ids(given, found))  # (tokens handed as embeddings: one id each, checks/runalone.py)
     found.update(float_mask(given, found))  # (a 0/1 float attention_mask, kept apart: checks/runalone.py)
-    found.update(_images(given))
-    found.update(zero_units(given))  # (an image input's tiles that are exactly 0: checks/tiles.py)
-    found.update(target_mapping(given))  # (XLNet's query stream: the position each predict stands for, checks/targetmap.py)
+    found.update({**_images(given), **zero_units(given)})  # (and an image input's tiles that are 0: checks/tiles.py)
+    found.update({**target_mapping(given), **shifted_labels(given)})  # (XLNet's query stream; the labels a loss shifts)
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
         found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
     found.update(padded_input(given))

@@ -1,0 +1,85 @@
+"""A correct program of the same shape that must stay quiet: the ClipCap-style captioner's forward still takes
+`prefix_embeds`, but its generation loop fuses the projected prefix into the first step's `inputs_embeds` itself
+(ClipCap's own `torch.cat((prefix_projections, embedding_text), dim=1)`), so the parameter stays None at every step
+while the first pass attends the prefix and the cache keeps it. (python FILE; --fixed runs the same.)
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CFG = {"vocab": 50, "dim": 32, "heads": 4, "layers": 2, "prefix_length": 6, "clip_dim": 24, "bos": 1}
+
+
+class KVCache:
+    def __init__(self, layers):
+        self.keys, self.values = [None] * layers, [None] * layers
+
+    @property
+    def length(self):
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def append(self, layer, k, v):
+        if self.keys[layer] is not None:
+            k, v = torch.cat([self.keys[layer], k], 2), torch.cat([self.values[layer], v], 2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class Block(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.heads = layer, CFG["heads"]
+        self.qkv = nn.Linear(CFG["dim"], 3 * CFG["dim"])
+        self.proj = nn.Linear(CFG["dim"], CFG["dim"])
+
+    def forward(self, x, cache):
+        b, n, d = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        k, v = cache.append(self.layer, k, v)
+        total = k.shape[2]
+        keep = torch.ones(n, total, dtype=torch.bool).tril(total - n)  # (the new tokens after the cached ones)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return x + self.proj(y.transpose(1, 2).reshape(b, n, d))
+
+
+class PrefixCaptioner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.clip_project = nn.Linear(CFG["clip_dim"], CFG["prefix_length"] * CFG["dim"])
+        self.wte = nn.Embedding(CFG["vocab"], CFG["dim"])
+        self.wpe = nn.Embedding(64, CFG["dim"])
+        self.blocks = nn.ModuleList(Block(i) for i in range(CFG["layers"]))
+        self.head = nn.Linear(CFG["dim"], CFG["vocab"])
+
+    def forward(self, input_ids=None, prefix_embeds=None, cache=None, inputs_embeds=None):
+        x = self.wte(input_ids) if inputs_embeds is None else inputs_embeds
+        if prefix_embeds is not None:
+            x = torch.cat([prefix_embeds, x], dim=1)
+        x = x + self.wpe(torch.arange(cache.length, cache.length + x.shape[1]))[None]
+        for block in self.blocks:
+            x = block(x, cache)
+        return self.head(x[:, -1])
+
+
+@torch.no_grad()
+def caption(model, clip_features, steps=6):
+    prefix_embeds = model.clip_project(clip_features).view(clip_features.shape[0], CFG["prefix_length"], CFG["dim"])
+    cache = KVCache(CFG["layers"])  # (made up front, as the loop's helpers expect one)
+    ids = torch.full((clip_features.shape[0], 1), CFG["bos"])
+    for step in range(steps):
+        if step == 0:
+            logits = model(inputs_embeds=torch.cat([prefix_embeds, model.wte(ids)], dim=1), cache=cache)
+        else:
+            logits = model(ids[:, -1:], cache=cache)
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def main():
+    torch.manual_seed(0)
+    model = PrefixCaptioner().eval()
+    print("captions", caption(model, torch.randn(2, CFG["clip_dim"])).tolist())
+
+
+if __name__ == "__main__":
+    main()
