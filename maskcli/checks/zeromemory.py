@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, keep
+from maskcli.checks.context import STRONG, Run, cross, crossing, keep
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
 RUN = 2
+EXTRA = 4  # keys beside the memory's positions: a CLS token, a few register or null tokens concatenated to it
 
 
 def _edges(zero: np.ndarray) -> np.ndarray:
@@ -48,7 +49,10 @@ def zero_memory_seen(run: Run) -> list:
     """Cross-attention calls whose queries see keys at positions the model call's (B, S, C) input zeroed at a row's
     edge."""
     found, padding, done = [], {}, {}
-    for call in run.cross:  # (run.made_by leaves the cross-attention calls out: engine.py)
+    # (run.made_by leaves the cross-attention calls out: engine.py; a softmax site that masks nowhere is among the
+    # unmasked, and is a cross-attention where the module's word or a memory argument says so: a pooler handed no mask)
+    for call in sorted(run.cross + [one for one in run.unmasked if crossing(one).by in STRONG],
+                       key=lambda one: one.index):
         top = run.top(call)
         said = None if top is None else top.arguments.get("zero_memory")
         if not said or not cross(call):
@@ -58,7 +62,7 @@ def zero_memory_seen(run: Run) -> list:
             own = {(c.shape[0], c.shape[2]) for c in run.made_by(top) if c.shape[2] == c.shape[3]}
             padding[id(top)] = [(name, _edges(zero)) for name, zero in said if zero.shape not in own]
         for name, pad in padding[id(top)]:
-            if call.shape[0] != pad.shape[0] or call.shape[3] != pad.shape[1] or not pad.any():
+            if call.shape[0] != pad.shape[0] or not 0 <= call.shape[3] - pad.shape[1] <= EXTRA or not pad.any():
                 continue
             key = (call.mask, call.shape, name, id(top))
             if key not in done:
@@ -69,22 +73,39 @@ def zero_memory_seen(run: Run) -> list:
     return found
 
 
+def placed(pad: np.ndarray, k_len: int) -> np.ndarray:
+    """Bool (B, k_len): the keys that are zero positions of `pad` (B, S) whether the k_len - S keys beside the memory's
+    positions (a CLS or register token concatenated to it) come before them or after them. Where both placements
+    call a key padding, it is padding whichever the program chose; where they differ, nothing is said."""
+    extra = k_len - pad.shape[1]
+    if extra == 0:
+        return pad
+    first, last = np.zeros((pad.shape[0], k_len), bool), np.zeros((pad.shape[0], k_len), bool)
+    first[:, extra:], last[:, :pad.shape[1]] = pad, pad
+    return first & last
+
+
 def _finding(call, name: str, pad: np.ndarray, where: str) -> Finding | None:
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, pad.shape[0]):
         return None
     rows = np.broadcast_to(cells.any(axis=1), (pad.shape[0], call.shape[2], call.shape[3]))
-    bad = rows & pad[:, None, :]
+    keys = placed(pad, call.shape[3])
+    bad = rows & keys[:, None, :]
     if not bad.any():
         return None
     b, q, k = (int(x) for x in np.argwhere(bad)[0])
     zeros = [int(x) for x in np.flatnonzero(pad[b])]
+    extra = call.shape[3] - pad.shape[1]
+    beside = "" if not extra else (
+        f" (its {call.shape[3]} keys are those {pad.shape[1]} positions and {extra} more, a CLS or register token "
+        f"concatenated to them: keys {spans([int(x) for x in np.flatnonzero(keys[b])])} are padding whether it comes first or last)")
     source = f"{name} of {where}"
     return Finding("zero-memory-seen", (
         f"batch row {b}: query {q} sees memory key {k}, one of positions {spans(zeros)} that the model call's {name} "
-        f"holds as exactly 0 in every channel (the program zeroed them as padding), and {int(bad.sum())} such cells "
-        f"are kept: a zero state under the projections' biases is still a key, so the padding takes weight (the "
-        f"padding mask never reached the cross-attention?)"),
+        f"holds as exactly 0 in every channel (the program zeroed them as padding){beside}, and {int(bad.sum())} "
+        f"such cells are kept: a zero state under the projections' biases is still a key, so the padding takes "
+        f"weight (the padding mask never reached the cross-attention?)"),
         expected=f"memory positions {spans(zeros)} of batch row {b} hidden", source=source, cell=(b, q, k))
 
 
