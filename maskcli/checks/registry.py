@@ -56,7 +56,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "regrouped", "pooledpad", "pooledat", "maskmean", "offgrid", "keyscale", "blockwindow", "uncached", "permuted",
            "sinkslots", "multiplied", "densesets", "owncut", "sinkblend", "poolspan", "skipped", "routed", "headadded",
            "builtcausal", "querygroups", "padend", "leftoff", "positioned", "dropshare", "rowsout", "steppad", "memflip",
-           "madeframes", "beamcache", "rewritten", "restarted", "locallayers", "overqueries")
+           "madeframes", "beamcache", "rewritten", "restarted", "locallayers", "overqueries", "cachedpositions")
 
 
 @dataclass(frozen=True)
