@@ -29,8 +29,9 @@ def test_opentau_pi05_action_expert_positions_start_inside_the_cached_prompt(tmp
 
 def test_a_soft_prompts_decode_positions_that_forget_the_prefix_are_found(tmp_path):
     """The same slip written another way: a soft prompt of 6 learned embeddings before left-padded text, a hand-kept
-    cache (the cache's keys first), SDPA with a boolean mask, rotary positions handed down as `positions`; the decode
-    loop numbers each new token from the text's length alone. Fix (the whole prompt's count) quiet."""
+    cache (the cache's keys first), SDPA with a boolean mask, rotary positions counted inside the model from a start
+    (GPT-2's past_length + arange); the decode loop starts each new token at the text's length alone. Fix (the whole
+    prompt's count) quiet."""
     found = check_bug(tmp_path, "soft_prompt_decode_positions_skip_prefix_sdpa", "positions-inside-cache", folder=HERE)
     prefix, texts, width = 6, [7, 4, 2], 13
 

@@ -17,10 +17,11 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     # (dtypes.py); the padded query rows of a padding laid on the query axis (queryaxis.py)
     "sees-later": {"padding-on-queries"},  # the real rows that see the pads after them: the same padding's axis
     "padding-lost": {"padding-ignored"},
-    "positions-vs-keys": {"padding-lost", "padding-ignored", "continued-from-padding", "positions-inside-cache"},  # the
-    # keys past a query's position are padding it sees, or a right-padded prompt's decode placed after its pads: said
-    # with the padding's statement (positioned.py); or a step numbered inside its cache: said with the cached keys'
-    # own positions (cachedpositions.py)
+    "positions-vs-keys": {"padding-lost", "padding-ignored", "continued-from-padding"},  # the keys past a query's
+    # position are padding it sees, or a right-padded prompt's decode placed after its pads: said with the padding's
+    # statement (positioned.py)
+    "positions-inside-cache": {"positions-vs-keys"},  # a step numbered inside its cache, where the model call's own
+    # positions show the site's earlier steps counted their keys: stale keys left in the cache (mlc-llm#2939)
     "padding-ignored": {"padding-not-permuted"},  # the same keys, said as the mask left unsorted with its tokens (permuted.py)
     "positions-repeated": {"positions-stalled"},  # the same rope ids, said as the packed segment ids they stall on
     "encoder-padding-ignored": {"memory-padding-inverted", "batch-rows-on-queries"},  # the same padded memory keys,

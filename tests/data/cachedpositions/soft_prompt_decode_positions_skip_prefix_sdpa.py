@@ -1,6 +1,7 @@
 """A decoder-only LM conditioned on a soft prompt (a few learned prefix embeddings before the text), generating with a
 hand-kept KV cache (cache first, then the step's own key), SDPA with a boolean mask over a left-padded batch and
-rotary positions. The prompt pass numbers every real token, prefix included (cumsum of the mask - 1); the buggy decode
+rotary positions counted inside the model from a start (GPT-2's past_length + arange). The prompt pass numbers every
+real token, prefix included (from minus its row's pads); the buggy decode
 loop numbers the new token from the text's length alone, as if the soft prompt held no positions, so each new token
 sits `num_prefix_tokens` places back, among the cached prompt's positions. The fix counts the whole prompt."""
 import sys
@@ -48,7 +49,8 @@ class SoftPromptLM(nn.Module):
         self.blocks = nn.ModuleList(Attention(cfg) for _ in range(cfg["layers"]))
         self.head = nn.Linear(cfg["hidden"], cfg["vocab"])
 
-    def forward(self, x, positions, keep, caches):
+    def forward(self, x, start, keep, caches):
+        positions = (start + torch.arange(x.shape[1])).clamp(min=0)  # (GPT-2's past_length + arange)
         for block, cache in zip(self.blocks, caches):
             x = x + block(x, positions, keep, cache)
         return self.head(x)
@@ -66,11 +68,10 @@ def generate(model, text, text_mask, new_tokens=3):
                          for p in pads.tolist()])  # each row's text pads moved before its soft prompt
     embeds = torch.cat([prefix, model.embed(text)], dim=1).gather(1, order[..., None].expand(-1, -1, cfg["hidden"]))
     mask = torch.cat([torch.ones(batch, cfg["num_prefix_tokens"], dtype=torch.bool), text_mask], dim=1).gather(1, order)
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     keep = torch.tril(torch.ones(length, length, dtype=torch.bool))[None] & mask[:, None, :]
     keep = keep | torch.eye(length, dtype=torch.bool)[None]  # (a pad row sees itself)
     caches = [[] for _ in model.blocks]
-    logits = model(embeds, positions, keep, caches)
+    logits = model(embeds, -pads[:, None], keep, caches)  # (the pads before position 0)
     out = []
     for step in range(new_tokens):
         token = logits[:, -1].argmax(-1)
