@@ -40,7 +40,10 @@ def _prefill(call):
     positions = _rows(held, batch)
     if positions is None:
         return None
-    return positions, np.broadcast_to(cells.any(axis=(1, 2)), (batch, cells.shape[-1]))
+    real = np.broadcast_to(cells.any(axis=(1, 2)), (batch, cells.shape[-1]))
+    if positions.shape != real.shape or any((np.diff(row[seen]) != 1).any() for row, seen in zip(positions, real)):
+        return None  # (not one token after the other: ChatGLM's 2-D positions repeat the [gMASK] position)
+    return positions, real
 
 
 def _layouts(q_len: int, k_len: int, p_len: int) -> list:

@@ -54,6 +54,8 @@ def note(details: dict, walked, shape: tuple) -> None:
             held = variables.get(name)
             if type(held) is not torch.Tensor:
                 continue
+            if held.dim() >= 3:
+                return  # (2-D or multimodal positions held beside it, ChatGLM's (B, 2, L): no one numbering to read)
             rows = _rows(held, batch, q_len)
             if rows is not None:
                 code = frame.f_code

@@ -50,7 +50,7 @@ class SoftPromptLM(nn.Module):
         self.head = nn.Linear(cfg["hidden"], cfg["vocab"])
 
     def forward(self, x, start, keep, caches):
-        positions = (start + torch.arange(x.shape[1])).clamp(min=0)  # (GPT-2's past_length + arange)
+        positions = start + torch.arange(x.shape[1])  # (GPT-2's past_length + arange; the pads before 0)
         for block, cache in zip(self.blocks, caches):
             x = x + block(x, positions, keep, cache)
         return self.head(x)
