@@ -45,3 +45,40 @@ def test_xl_memory_size_checked_on_batch_axis(tmp_path):
         (2, segment, memory + segment), lambda b, q, k: k <= memory + q and k < memory - mem_len)
     status, found, report = traced(tmp_path, "xl_memory_size_checked_on_batch_axis", True, MEMLEN)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def _first_dropped(held: list[int], segment: int, mem_len: int) -> tuple[int, int, int]:
+    """(step, memory keys, keys dropped) of the first step whose memory is short of min(mem_len, last memory + segment),
+    a loop over the steps' memories (the reference: Transformer-XL keeps cat([mem, h])[-mem_len:])."""
+    for step in range(1, len(held)):
+        want = min(mem_len, held[step - 1] + segment)
+        if 0 < held[step] < want:
+            return step, held[step], want - held[step]
+    raise AssertionError("no step drops memory")
+
+
+def test_transformers_rl_gtrxl_memory_pinned_at_its_first_20_zero_slots(tmp_path):
+    """dhruvramani/Transformers-RL#7, fixed by PR #8 (written blind, batch blind-fn): GTrXL's memory started as 20
+    hard-coded zero states and `beg_idx = end_idx - mem_len` cut it to its own current length, so it stayed at 20 where
+    the model keeps `self.mem_len = 100`. The fix (an empty memory, the last self.mem_len kept) grows 0, 20 .. 100:
+    quiet."""
+    found = check_bug(tmp_path, "transformers_rl_gtrxl_memory_zero_init_fixed_window", "memory-not-kept")
+    step, held, dropped = _first_dropped([20] * 6, 20, 100)  # six segments of 20, the memory 20 at each
+    assert found[0]["message"].startswith(f"at step {step} the segment's queries see {held} memory keys")
+    assert f"{dropped} keys the model states it keeps were dropped" in found[0]["message"]
+
+
+def test_a_memory_cut_to_the_segments_length_is_found(tmp_path):
+    """Written another way: a Transformer-XL language model, batch first, SDPA with a boolean mask, whose update keeps
+    the last `qlen` hidden states (one segment of 16) where the module says `self.mem_len = 48`. Fix quiet."""
+    found = check_bug(tmp_path, "txl_lm_memory_cut_to_segment_length_sdpa", "memory-not-kept", folder=MEMLEN)
+    step, held, dropped = _first_dropped([0, 16, 16, 16, 16], 16, 48)
+    assert found[0]["message"].startswith(f"at step {step} the segment's queries see {held} memory keys")
+    assert f"{dropped} keys the model states it keeps were dropped" in found[0]["message"]
+
+
+def test_a_memory_capped_at_mem_len_and_emptied_per_episode_is_quiet(tmp_path):
+    """A correct recurrent-memory policy (eager softmax, time first): its memory grows to mem_len = 30 and stays there,
+    is emptied at each new episode, and meets a shorter last segment: no finding."""
+    status, found, report = traced(tmp_path, "episodic_memory_reset_and_capped_softmax", False, MEMLEN)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -372,3 +372,22 @@ def test_a_prompt_cached_at_its_first_chunk_without_a_causal_mask(tmp_path):
     found = check_bug(tmp_path, "kv_cache_prompt_chunk_mask_only_without_cache", "causal-lost", folder=STEPS)
     pads = [2, 0]  # the prompts' left padding (the model call's attention_mask)
     assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: k > q >= pads[b])
+
+
+def test_a_chunk_whose_keys_are_its_own_then_the_cached_prefix_holds_the_padding(tmp_path):
+    """pi0/pi05's denoise step written another way: a right-padded observation prefix cached once, then an action chunk
+    over torch.cat([its own keys, the cached prefix's]) with the prefix's padding folded into the mask (SDPA, an
+    additive finfo.min mask). The padding is held, at the columns after the chunk's own: quiet (padding-lost said it on
+    OpenTau's pi05 fix, read with the cache first). The same chunk handed no prefix padding is still padding-lost, at
+    the first padded key of row 0 (its prompt of 5), read as the rule places a cache."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "action_chunk_keys_before_cached_prefix_sdpa", False, STEPS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    status, found, report = traced(tmp_path, "action_chunk_keys_before_cached_prefix_sdpa", False, STEPS, ("--lost",))
+    lost = [f for f in found if f["code"] == "padding-lost"]
+    assert status == 1 and lost, report
+    lengths, width = [5, 9], 9  # the prompts, right-padded to 9; the chunk's 4 queries read at positions 9..12
+    b, q, k = first((2, 4, width), lambda b, q, k: k >= lengths[b])
+    assert tuple(lost[0]["cell"]) == (b, width + q, k)
+    assert "the padding is lost behind the cache" in lost[0]["message"]

@@ -20,6 +20,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "positions-vs-keys": {"padding-lost", "padding-ignored", "continued-from-padding"},  # the keys past a query's
     # position are padding it sees, or a right-padded prompt's decode placed after its pads: said with the padding's
     # statement (positioned.py)
+    "positions-inside-cache": {"positions-vs-keys"},  # a step numbered inside its cache, where the model call's own
+    # positions show the site's earlier steps counted their keys: stale keys left in the cache (mlc-llm#2939)
     "padding-ignored": {"padding-not-permuted", "padding-shares-group"},  # the same keys, said as the mask left unsorted
     # with its tokens (permuted.py), or as the pads given a real sample's group id (padgroup.py)
     "positions-repeated": {"positions-stalled"},  # the same rope ids, said as the packed segment ids they stall on

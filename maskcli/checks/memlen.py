@@ -8,6 +8,9 @@ never cut to its length (feedback-transformer-pytorch 683bba1: `memory_keys[-mem
 longer buffer whose older keys the mask hides is quiet: only what a query sees counts. Quiet where the model holds
 another memory count beside it (a compressed memory's `cmem_len`: trace/stated.py states none then), on
 cross-attention, and where the queries are not the last keys (XLNet's two streams: not causal at the bottom right).
+
+The other way round (memory_not_kept): a step whose memory holds fewer keys than min(mem_len, the site's last memory
++ its segment), none of them a reset's empty memory, dropped keys the model states it keeps (Transformers-RL#7).
 """
 
 from __future__ import annotations
@@ -65,7 +68,54 @@ def over_memory(run: Run) -> list:
     return found
 
 
+def memory_not_kept(run: Run) -> list:
+    """Calls under a module stating `mem_len` whose memory (the keys before the segment, the queries the last keys)
+    holds fewer keys than the model keeps: after a call of M memory keys and a segment of L at the same site, the
+    next call's memory is min(mem_len, M + L) (Transformer-XL's `cat([mem, h])[max(0, end - mem_len):end]`). A call
+    with no memory starts the site again (a new rollout, a reset); a memory that shrinks, or stops growing short of
+    mem_len, dropped keys the model states it keeps (Transformers-RL#7: `beg_idx = end_idx - mem_len` with mem_len the
+    memory's current length, so the memory stayed at its first 20 slots while the model said 100)."""
+    found, kept, done = [], {}, set()  # (site -> (memory keys, segment) of its last step; the sites said)
+    for top in run.tops:
+        said = [one for one in top.stated if FIELD in one.fields]
+        if not said:
+            continue
+        length, source, scope = said[0].fields[FIELD], said[0].source, said[0].fields.get("mem_scope") or ""
+        if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+            continue
+        sites: dict = {}
+        for call in run.made_by(top):
+            if not cross(call) and not (scope and not (call.where or "").startswith(scope)):
+                sites.setdefault(call.where, []).append(call)
+        for where, calls in sites.items():
+            before = kept.get(where)
+            for call in calls:
+                if where in done:
+                    break
+                q_len, k_len = call.shape[2], call.shape[3]
+                held = k_len - q_len
+                cells = keep(call)
+                if held < 0 or cells is None or not _last_keys(cells.any(axis=1)).all():
+                    before = None  # (not a segment after its memory: nothing to count from)
+                    continue
+                if before is not None and 0 < held < min(length, before[0] + before[1]):
+                    want = min(length, before[0] + before[1])
+                    found.append((call, Finding("memory-not-kept", (
+                        f"at step {call.step} the segment's queries see {held} memory keys, yet the step before held "
+                        f"{before[0]} and added a segment of {before[1]}, and {source} keeps a memory of {length}: "
+                        f"{want - held} keys the model states it keeps were dropped (the memory cut to its own current "
+                        f"length, not to mem_len?)"), expected=f"{want} memory keys", source=source,
+                        cell=None)))
+                    done.add(where)  # (once a site: every later step repeats it)
+                before = (held, q_len)
+            kept[where] = before
+    return found
+
+
 RULES = (
     Rule("memory-over-length", "wrong", "steps", "a recurrent-memory model's queries (its segment, the last keys) see "
          "a key older than the `mem_len` positions of memory the model itself states", over_memory),
+    Rule("memory-not-kept", "wrong", "steps", "a recurrent-memory model whose memory at a step holds fewer keys than "
+         "min(mem_len, the last step's memory + segment), mem_len the model's own: the memory cut to its current "
+         "length, not to mem_len", memory_not_kept),
 )

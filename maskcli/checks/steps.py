@@ -184,7 +184,7 @@ def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, writte
             bad[..., at] = False
         if bad.any():
             bad = bad & asking()[..., None]
-        if bad.any():
+        if bad.any() and not _held_after_own(later, padded, asking):
             b, h, q, k = first_cell(bad)
             return "padding", b, q, k
     if window is not None and _reaches_back(call, later, own, window):
@@ -195,6 +195,22 @@ def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, writte
             b, h, q = first_cell(back >= window)
             return "window", b, q, int(back[b, h, q])
     return None
+
+
+def _held_after_own(later: np.ndarray, padded: np.ndarray, asking) -> bool:
+    """The step's keys are its own Lq then the cache's (torch.cat([new, cached]): pi0/pi05's action expert over a
+    cached prefix), and there every real query of the step hides every key its prefill padded, and sees some key of
+    its own block: the padding is held, at columns Lq on, not lost. A step that lost its padding sees the padded
+    keys under either reading (nothing hidden), so it is still found."""
+    q_len, width = later.shape[-2], padded.shape[1]
+    if later.shape[-1] < q_len + width:
+        return False
+    real = asking()[..., None]  # (B, 1, Lq, 1)
+    shifted = later[..., q_len:q_len + width] & padded[:, None, None, :] & real
+    if shifted.any():
+        return False
+    own = later[..., :q_len].any(axis=-1)  # (B, H, Lq): a real query sees some key of the step's own
+    return bool(np.broadcast_to(own | ~real[..., 0], own.shape).all())
 
 
 def _reaches_back(call, later: np.ndarray, own: np.ndarray, window: int) -> bool:

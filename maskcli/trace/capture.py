@@ -23,7 +23,7 @@ import maskcli.trace.masks as readers
 import maskcli.trace.queried as queried, maskcli.trace.layerkinds as layerkinds  # (GPT-Neo's local layers)
 import maskcli.trace.calledflag as calledflag, maskcli.trace.askedcausal as askedcausal
 import maskcli.trace.padfill as padfill, maskcli.trace.namedmasks as namedmasks
-import maskcli.trace.offgrid as offgrid, maskcli.trace.ropeat as ropeat  # (the rotary table a cached step applies)
+import maskcli.trace.offgrid as offgrid, maskcli.trace.ropeat as ropeat, maskcli.trace.positionsat as positionsat
 import maskcli.trace.poolspan as poolspan, maskcli.trace.padend as padend  # (the last: samples beside a held mask)
 import maskcli.trace.convpad as convpad, maskcli.trace.linearattn as linearattn  # (Σ φ(k) vᵀ: no softmax)
 from maskcli.trace.masks import Call, Operands
@@ -343,15 +343,15 @@ class Trace(Outer, Follow):
             if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
             self.sites.note(seen.details, caller, seen.shape)
-            # each reader of the program's frames guarded alone (sites.guarded: an object whose __class__ raises leaves
-            # that reader's detail out, not the call)
+            # each reader of the frames guarded alone (sites.guarded: a raising __class__ leaves its detail out, not the call)
             for note in (queried.note, layerkinds.note):  # (the layer's queries, heads; GPT-Neo's local layers)
                 guarded(note, seen.details, self.sites.stack, seen.api, seen.shape, self.sites.walked)
             guarded(calledflag.note, seen.details, self.sites.stack, self.sites.walked, seen.shape)  # (a helper's causal=)
             guarded(askedcausal.note, seen.details, self.sites.stack, self.sites.walked)  # (mask="subsequent" per call)
             for note in (padfill.note, namedmasks.note, offgrid.note, poolspan.note, padend.note, self.rowsout.note):
                 guarded(note, seen.details, self.sites.walked)  # (fill flags, `x_mask`s, positions, a row mask...)
-            guarded(ropeat.note, seen.details, self.sites.walked, seen.shape)  # (checks/positioned.py)
+            for note in (ropeat.note, positionsat.note):  # (checks/positioned.py, checks/cachedpositions.py)
+                guarded(note, seen.details, self.sites.walked, seen.shape)
             chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
             if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
                 seen.details["held_chunks"] = chunks

@@ -1,0 +1,123 @@
+"""The positions a cached step's queries are numbered at against the positions its prefill gave the keys it cached.
+
+A prefill (a call of as many queries as keys) that states its tokens' positions (trace/positionsat.py: the
+`position_ids` its function holds) caches keys at those positions; a later step at the same call site (fewer queries
+than keys) that states its own queries' positions continues that sequence: every token it adds comes after the cached
+ones, so a query that sees a cached real key must sit after that key's position. A step numbered from fewer tokens
+than the cache holds puts its queries inside the cache's range: rotary attention then reads cached tokens as at the
+query's own place or after it (OpenTau#72: pi05's action expert counted the prefix's pad mask without its last
+`discrete_action_max_length` columns, tokens inference never appends, so the action chunk started at the prompt's
+14th position while the cache held 20 real tokens).
+
+Where the cached keys sit among the step's columns is read, not assumed: before its own keys (a cache that grows,
+key column j is position j) or after them (`torch.cat([new, cached])`, pi0/pi05), the step's key count saying which
+may hold; a layout holds where every real query of the step hides every key the prefill's real queries never saw
+(its padding) and sees some key of its own. Only a query wrong under every layout that holds is said. Padding keys
+(never seen at the prefill) are not counted; left alone: a step whose keys are fewer than the prefill's and its own
+(a window or an evicting cache renumbers), a step over another number of batch rows, cross-attention.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, keep
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def _rows(held: dict, batch: int) -> np.ndarray | None:
+    rows = np.asarray(held["rows"], dtype=np.int64)
+    return None if rows.shape[0] not in (1, batch) else np.broadcast_to(rows, (batch, rows.shape[1]))
+
+
+def _prefill(call):
+    """(positions (B, Lp), bool (B, Lp) keys some query of the row sees) of a prefill that states its positions."""
+    held, cells = call.details.get("query_positions"), keep(call)
+    if held is None or cells is None:
+        return None
+    batch = max(call.shape[0], cells.shape[0])
+    positions = _rows(held, batch)
+    if positions is None:
+        return None
+    real = np.broadcast_to(cells.any(axis=(1, 2)), (batch, cells.shape[-1]))
+    if positions.shape != real.shape or any((np.diff(row[seen]) != 1).any() for row, seen in zip(positions, real)):
+        return None  # (not one token after the other: ChatGLM's 2-D positions repeat the [gMASK] position)
+    return positions, real
+
+
+def _layouts(q_len: int, k_len: int, p_len: int) -> list:
+    """(cache columns start, own columns start) of each layout the step's key count allows."""
+    found = [(0, k_len - q_len)] if k_len >= p_len + q_len else []
+    if k_len == p_len + q_len:
+        found.append((q_len, 0))
+    return found
+
+
+def _judge(seen: np.ndarray, real: np.ndarray, asked: np.ndarray, cached: np.ndarray, q_len: int, start: int,
+           own: int) -> tuple | None:
+    """(holds, (b, q, k, cached position) of the first query placed at or before a cached real key it sees, or None)."""
+    p_len = real.shape[1]
+    into = seen[:, :, start:start + p_len]  # (B, Lq, Lp)
+    judged = seen.any(axis=2)  # (B, Lq): the step's real queries (a query that sees nothing is padding)
+    if (into & ~real[:, None, :] & judged[..., None]).any():
+        return False, None  # the prefill's padding seen: not this layout (or padding-lost's to say)
+    if (judged & ~seen[:, :, own:own + q_len].any(axis=2)).any():
+        return False, None  # a real query that sees nothing of its own block: not this layout
+    live = into & real[:, None, :]
+    most = np.where(live, cached[:, None, :], np.iinfo(np.int64).min).max(axis=2)  # (B, Lq)
+    bad = judged & live.any(axis=2) & (asked <= most)
+    if not bad.any():
+        return True, None
+    b, q = (int(x) for x in np.argwhere(bad)[0])
+    j = int(np.flatnonzero(live[b, q] & (cached[b] >= asked[b, q]))[0])
+    return True, (b, q, start + j, int(cached[b, j]))
+
+
+def check(run: Run) -> list:
+    """Each cached step that states its queries' positions, against its site's latest prefill that stated its own."""
+    found = []
+    for where, calls in run.sites().items():
+        prefill = None
+        for call in calls:
+            q_len, k_len = call.shape[2:]
+            if q_len == k_len:
+                read = _prefill(call)
+                prefill = None if read is None else (call, *read)
+                continue
+            held = call.details.get("query_positions")
+            if prefill is None or held is None or q_len > k_len:
+                continue
+            head, cached, real = prefill
+            cells = keep(call)
+            if cells is None or max(call.shape[0], cells.shape[0]) != real.shape[0]:
+                continue
+            batch = real.shape[0]
+            asked = _rows(held, batch)
+            if asked is None:
+                continue
+            seen = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
+            said = [_judge(seen, real, asked, cached, q_len, start, own)
+                    for start, own in _layouts(q_len, k_len, real.shape[1])]
+            said = [hit for holds, hit in said if holds]
+            if not said or any(hit is None for hit in said):
+                continue
+            b, q, k, at = said[0]
+            count = int(real[b].sum())
+            found.append((call, Finding("positions-inside-cache", (
+                f"batch row {b}: query {q} of step {call.step} is at position {int(asked[b, q])} ({held['name']} of "
+                f"{held['function']}), yet it sees key {k}, a real token the prefill at step {head.step} cached at "
+                f"position {at}: the step's positions start inside the cache's, not after its {count} real tokens "
+                f"(numbered from fewer tokens than the cache holds?)"),
+                expected=f"position {int(cached[b][real[b]].max()) + 1} or after",
+                source=f"{held['name']} of {head.details['query_positions']['function']} at step {head.step}",
+                cell=(b, q, k))))
+            break  # (once a site: every later step repeats it)
+    return found
+
+
+RULES = (
+    Rule("positions-inside-cache", "wrong", "site", "a cached step whose queries' stated positions (a position_ids its "
+         "function holds) sit at or before the position its prefill gave a cached real key they see: the step "
+         "numbered from fewer tokens than the cache holds", check),
+)

@@ -1,0 +1,49 @@
+"""checks/cachedpositions.py: a cached step's stated query positions against the positions its prefill cached keys at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkbugs import check_bug, first, traced
+
+HERE = Path(__file__).parent / "data" / "cachedpositions"
+
+
+def test_opentau_pi05_action_expert_positions_start_inside_the_cached_prompt(tmp_path):
+    """TensorAuto/OpenTau#72 (written blind, batch blind-fn): pi05's denoise step numbered the action chunk from
+    sum(prefix_pad_masks[:, :-discrete_action_max_length]), so its queries (keys [chunk | cached prefix], eager
+    attention) sat at position 14 among the cached image + prompt tokens at 0..19 (row 0) and 0..14 (row 1). Fix
+    (sum of the whole pad mask) quiet."""
+    found = check_bug(tmp_path, "opentau_pi05_denoise_action_expert_positions_skip_prompt", "positions-inside-cache")
+    images, lengths, chunk, prompt, dropped = 8, [12, 7], 8, 12, 6
+    width = images + prompt
+
+    def bad(b, q, k):  # key column k >= chunk is cached token k - chunk, at position k - chunk where it is real
+        j = k - chunk
+        start = images + min(lengths[b], prompt - dropped)  # the buggy count: the prompt's last 6 columns dropped
+        return 0 <= j < images + lengths[b] and j >= start  # (every query of the chunk at start or after: q = 0 first)
+
+    assert tuple(found[0]["cell"]) == first((2, chunk, chunk + width), bad)
+    assert "the step's positions start inside the cache's" in found[0]["message"]
+
+
+def test_a_soft_prompts_decode_positions_that_forget_the_prefix_are_found(tmp_path):
+    """The same slip written another way: a soft prompt of 6 learned embeddings before left-padded text, a hand-kept
+    cache (the cache's keys first), SDPA with a boolean mask, rotary positions counted inside the model from a start
+    (GPT-2's past_length + arange); the decode loop starts each new token at the text's length alone. Fix (the whole
+    prompt's count) quiet."""
+    found = check_bug(tmp_path, "soft_prompt_decode_positions_skip_prefix_sdpa", "positions-inside-cache", folder=HERE)
+    prefix, texts, width = 6, [7, 4, 2], 13
+
+    def bad(b, q, k):  # key column k: a real prompt token at position k - pads where k >= pads
+        pads = width - prefix - texts[b]
+        return pads <= k < width and k - pads >= texts[b] + q  # the buggy position: the text's length, no prefix
+    assert tuple(found[0]["cell"]) == first((3, 1, width + 1), bad)
+    assert "real token the prefill at step 0 cached at position" in found[0]["message"]
+
+
+def test_a_decode_numbered_after_every_cached_token_is_quiet(tmp_path):
+    """A correct program of the same shape: an eager-softmax LM over a left-padded batch whose pad tokens carry
+    position 1 (HF's masked_fill(mask == 0, 1)), decoding each token after every real token of its row: no finding."""
+    status, found, report = traced(tmp_path, "left_padded_decode_pad_positions_one", False, HERE)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
