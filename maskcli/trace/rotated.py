@@ -32,7 +32,7 @@ def _columns(width: int) -> list:
 
 
 class Rotations:
-    """The last few broadcast factors the program multiplied by: (shape, columns kept, (…, L, 4) float64)."""
+    """The last few broadcast factors the program multiplied by: (shape, columns kept, (…, L, 4) on its device)."""
 
     def __init__(self):
         self.held: deque = deque(maxlen=HELD)
@@ -50,9 +50,9 @@ class Rotations:
                 if width >= 4 and width % 2 == 0 and not x.requires_grad and x.is_floating_point() \
                         and width == out.shape[-1] and x.shape[-2] == out.shape[-2] and x.numel() < out.numel() \
                         and y.shape == out.shape and x.device.type != "meta":
-                    with torch.no_grad():
-                        cols = _columns(width)
-                        self.held.append((tuple(x.shape), cols, x.detach()[..., cols].double().cpu()))
+                    cols = _columns(width)  # (a copy of four columns, left on its device: read, and synced, only
+                    with torch._C.DisableTorchFunction():  # at the next attention call; no mode sees the copy)
+                        self.held.append((tuple(x.shape), cols, x.detach()[..., cols]))
                     return
         except Exception:  # noqa: BLE001 - the program's product is computed already; nothing reaches it
             return
@@ -108,6 +108,7 @@ def note(details: dict, rotations: Rotations, walked, shape: tuple) -> None:
         (shape_c, cols, cos), (shape_s, _, sin) = found[i], found[i + 1]
         if shape_c != shape_s:
             continue
+        cos, sin = cos.double().cpu(), sin.double().cpu()
         at = _read(cos, sin, cols, shape_c[-1], freqs)
         if at is None:
             continue
