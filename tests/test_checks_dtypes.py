@@ -61,20 +61,44 @@ def test_the_values_that_overflow_are_the_ones_torch_rounds_to_inf():
 
 
 def test_two_min_planes_summed_in_bfloat16_are_suspicious_under_sdpa():
-    """NVIDIA-NeMo/Automodel#2658: a causal plane and a padding plane of finfo(bfloat16).min added, -inf where both
-    mask. SDPA gives the rows of -inf only 0 (aten/src/ATen/native/transformers/attention.cpp _safe_softmax), so
-    nothing is NaN here: suspicious, with the line that summed them, and exit status 0."""
+    """Two masks of finfo(bfloat16).min added, -inf where both mask: a 2-D padding mask over queries and keys (a padded
+    query's row masked whole) and a plane over query rows: the padded query's row is -inf only. SDPA gives the rows of
+    -inf only 0 (aten/src/ATen/native/transformers/attention.cpp _safe_softmax), so nothing is NaN here, but a plain
+    softmax over the same mask is: suspicious, with the line that summed them, and exit status 0."""
     def program():
         dtype, length = torch.bfloat16, 4
         low = torch.finfo(dtype).min
-        causal = torch.full((length, length), low, dtype=dtype).triu(1)[None, None]
-        padding = (1 - torch.tensor([[1, 1, 1, 0]], dtype=dtype))[:, None, None, :] * low
+        real = torch.tensor([[1, 1, 1, 0]], dtype=dtype)
+        both = (1 - real[:, None, :, None] * real[:, None, None, :]) * low
+        rows = (1 - real)[:, None, :, None] * low
         q = torch.randn(1, 1, length, 4, dtype=dtype)
-        F.scaled_dot_product_attention(q, q, q, attn_mask=causal + padding)
+        F.scaled_dot_product_attention(q, q, q, attn_mask=both + rows)
 
     found = [f for f in traced(program) if f[0] == "fill-became-inf"]
     assert len(found) == 1 and found[0][1] == "suspicious", found
     assert "+ another mask in bfloat16 became -inf" in found[0][2] and "torch.where" in found[0][2], found
+
+
+def test_a_causal_plane_plus_a_padding_plane_of_min_is_quiet():
+    """NVIDIA-NeMo/Automodel#2658's builder: a causal plane and a padding plane of finfo(bfloat16).min added, -inf where
+    both mask. The causal plane keeps each query's own key (0), so no row of the sum can be -inf only, whatever the
+    padding (a padded key plus a kept cell stays finfo.min): no softmax over it is NaN, and the -inf cells mask what the
+    fill masked anyway (SpecForge's old LLaMA `_expand_mask + _make_causal_mask` in float32, the same sum). Quiet."""
+    def program():
+        dtype, length = torch.bfloat16, 4
+        low = torch.finfo(dtype).min
+        causal = torch.full((length, length), low, dtype=dtype).triu(1)[None, None]
+        padding = (1 - torch.tensor([[1, 1, 1, 0], [0, 0, 1, 1]], dtype=dtype))[:, None, None, :] * low
+        q = torch.randn(2, 1, length, 4, dtype=dtype)
+        mask = causal + padding
+        for b in range(2):  # (the reference: every row of the sum holds a finite cell, its own key's at least)
+            for i in range(length):
+                assert any(bool(torch.isfinite(mask[b, 0, i, j])) for j in range(length))
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        scores = (q @ q.transpose(-1, -2)).float() + mask.float()
+        assert not torch.isnan(scores.softmax(-1)).any()  # (a plain softmax over it: no NaN row)
+
+    assert not [f for f in traced(program) if f[0] == "fill-became-inf"]
 
 
 def test_a_min_fill_plus_scores_that_leaves_every_row_a_finite_cell_is_quiet():
@@ -145,12 +169,14 @@ def test_a_min_sum_clamped_back_before_the_softmax_is_quiet():
 def test_a_min_sum_put_back_in_place_before_sdpa_is_quiet():
     """OLMo's model.py: causal bias + padding bias, each finfo.min, overflow to -inf where both mask, and
     ensure_finite_ puts finfo.min back in place (masked_fill_) before the bias reaches SDPA: the mask SDPA gets holds
-    no -inf (the reference: torch.isneginf at the call), so no fill became -inf there. The same sum passed on
-    without the repair is still said (the test above)."""
-    def program(repair):
+    no -inf (the reference: torch.isneginf at the call), so no fill became -inf there. (OLMo's causal plane keeps a
+    cell in every row, so its sum is quiet unrepaired too; a plane of padded query rows in its place is said
+    unrepaired, as the test above.)"""
+    def program(repair, causal_plane=False):
         low = torch.finfo(torch.float32).min
-        causal = torch.full((4, 4), low).triu(1)[None, None]
-        padding = (1.0 - torch.tensor([[1.0, 1, 1, 0]]))[:, None, None, :] * low
+        real = torch.tensor([[1.0, 1, 1, 0]])
+        causal = torch.full((4, 4), low).triu(1)[None, None] if causal_plane else (1 - real)[:, None, :, None] * low
+        padding = (1 - real[:, None, :, None] * real[:, None, None, :]) * low
         bias = causal + padding
         if repair:
             bias.masked_fill_(bias == float("-inf"), low)
@@ -161,6 +187,7 @@ def test_a_min_sum_put_back_in_place_before_sdpa_is_quiet():
     assert [f for f in traced(lambda: program(True)) if f[0] == "fill-became-inf"] == []
     found = [f for f in traced(lambda: program(False)) if f[0] == "fill-became-inf"]
     assert len(found) == 1 and found[0][1] == "suspicious", found
+    assert [f for f in traced(lambda: program(False, causal_plane=True)) if f[0] == "fill-became-inf"] == []
 
 
 def test_litgpt_softcapping_adds_its_bool_mask_cache_to_the_scores(tmp_path):

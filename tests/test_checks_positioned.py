@@ -172,3 +172,47 @@ def test_within_a_call_a_sliding_window_and_packed_documents_are_quiet():
     docs = (q[None, :] <= q[:, None]) & ((q[:, None] < 5) == (q[None, :] < 5))
     restart = np.where(q < 5, q, q - 5)
     assert _within(docs[None], np.ones((1, 8), dtype=bool), restart[None]) is None
+
+
+def test_specforge_eagle3_ttt_steps_rotated_at_step_zero_positions(tmp_path):
+    """SpecForge#424 (written blind, batch blind-fp): EAGLE-3's sdpa LlamaAttention rotated every training-time-test
+    step with position_ids where step lck stands for tokens lck further on (the flex path and mrope added lck). The
+    trace reads the cos/sin factors the queries were multiplied by (trace/rotated.py): at each step after the first,
+    the queries see the keys they saw at the step before and their own key of the step just cached, yet are rotated
+    at the same positions 0..47. Its fix (position_ids + lck) is quiet, suspicious findings included (the finfo.min
+    causal + padding sum keeps each row's own key finite: fill-became-inf no longer says it)."""
+    from checkbugs import traced
+
+    name = "specforge_eagle3_sdpa_ttt_rope_positions_not_offset_by_step"
+    hit = check_bug(tmp_path, name, "positions-vs-keys")[0]
+    real = [[True] * 48, [True] * 40 + [False] * 8]  # the program's attention_mask
+    # the reference, from the upstream code's meaning: at TTT step s query j sees step 0's keys 0..j, then its own key
+    # of each later step cached (the scores' columns past 48, one a step: the last, this step's own, is left out as a
+    # sink column by the trace); rotated at j, not j + s, it is the first real query to see a key appended after step 0
+    # (step 2's call: 49 columns) whose position was not moved on
+    assert tuple(hit["cell"]) == first((2, 48, 49), lambda b, q, k: k >= 48 and k - 48 == 0 and real[b][q])
+    assert "rotated at the same positions as then" in hit["message"] and "1 more appended" in hit["message"]
+    status, fixed, report = traced(tmp_path, name, True)
+    assert status == 0 and [f for f in fixed if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_hass_draft_block_keys_rotated_at_step_zero_positions(tmp_path):
+    """The same bug written another way: a dict config, SDPA over every step's keys laid block after block (step 0's
+    causal block, then each later step's block on its diagonal), right padding, and a rotary module that rotates q and
+    k itself (no table in the attention's frame: only the factors tell where the queries were rotated)."""
+    name = "hass_draft_ttt_sdpa_block_keys_rope_not_offset_right_padded"
+    hit = check_bug(tmp_path, name, "positions-vs-keys", POSITIONS)[0]
+    real = [[True] * 12, [True] * 9 + [False] * 3]
+    # step 1: query j sees step 0's keys 0..j and step 1's key 12 + j (its own draft); the first real query whose
+    # appended key it sees, rotated at j rather than j + 1
+    assert tuple(hit["cell"]) == first((2, 12, 24), lambda b, q, k: k == 12 + q and real[b][q])
+    assert "rotated at the same positions as then (0 to 11)" in hit["message"]
+
+
+def test_chunked_prefill_and_decode_rotated_further_on_are_quiet(tmp_path):
+    """A prompt in equal chunks over a growing cache, then decode steps, two layers at one call site: each step that
+    grew the cache moved the rotary positions by as many keys (the reference: the program's own arange per chunk)."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "chunked_prefill_two_layers_rope_offset_quiet", False, POSITIONS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

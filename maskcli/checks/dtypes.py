@@ -6,7 +6,9 @@ below -16). The program chose a finite fill so that a row masked everywhere stay
 a softmax over that row is NaN, and the NaN reaches every later token through the values. Where the kernel
 gives NaN (a softmax row of -inf only) the call is wrong. An overflow inside the mask itself (two masks
 added, a mask cast down) that makes no row NaN here is suspicious: the same mask is NaN under a plain
-softmax. An overflow in scores + mask that leaves every row a finite cell changes nothing and is not said.
+softmax. An overflow in scores + mask that leaves every row a finite cell changes nothing and is not said; nor is
+one in a sum of masks one of which keeps a cell in every row (a causal plane: `causal + padding` in finfo.min, old
+LLaMA's `_expand_mask + _make_causal_mask`): no row of that sum can be -inf only, whatever the padding.
 
 A bool mask added to the scores (the trace sees the sum: maskcli.trace.overflow) is promoted to 0 and 1: it
 masks nothing, whichever way round it was meant.
@@ -54,7 +56,9 @@ def overflowed(run: Run) -> list:
                 f"{_how(overflow)} became -inf at {where}: query rows {spans(own[rows].tolist())} of batch row {b} are "
                 f"-inf only, so softmax gives NaN there ({_fix(overflow)})"),
                 expected=f"a finite fill in {overflow.get('dtype')}", source=source, cell=(b, int(own[rows[0]]), 0))))
-        elif not overflow.get("scores") and call.details.get("fill") not in ("min", "finite"):
+        elif not overflow.get("scores") and not overflow.get("kept") and call.details.get("fill") not in ("min", "finite"):
+            # (not where a mask summed keeps a cell in every row, a causal plane's diagonal: no row of the sum can be
+            # -inf only, whatever the padding, so no plain softmax over it is NaN: trace/overflow.py's "kept")
             # (a softmax whose scores hold no -inf: the overflow was clamped back before the kernel, as
             # `(causal + pad).clamp(min=finfo.min)` does, so the mask the kernel applied is finite)
             found.append((call, Finding("fill-became-inf", (

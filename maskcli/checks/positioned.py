@@ -24,7 +24,11 @@ positions, multimodal rope's (C, B, L) positions, cross-attention.
 
 A cached step's rotary table is a statement of positions too (trace/ropeat.py reads the cos/sin the attention's
 function holds): a query that sees n keys sits at position n - 1 or after, and a table whose positions all stop before
-it rotated the query (and the keys with it) before its place (lag-llama 4a2d099).
+it rotated the query (and the keys with it) before its place (lag-llama 4a2d099). So are the cos/sin factors a call's
+queries were multiplied by (trace/rotated.py): where a module's queries see the keys they saw at its previous call of
+as many queries and more appended (a cache that grew by a step), and are rotated at the same positions as then, the
+step's tokens were rotated where the step before sat (SpecForge#424: EAGLE-3's TTT steps rotated with position_ids,
+not position_ids + lck).
 """
 
 from __future__ import annotations
@@ -149,10 +153,57 @@ def _rotated(run: Run, done: set) -> list:
     return found
 
 
+def _stepped(run: Run, done: set) -> list:
+    """Each call whose queries were rotated (trace/rotated.py: the cos/sin factors the program multiplied them by) at
+    the very positions the same module's previous call of as many queries rotated them at, though each row's queries
+    see keys appended to the ones they saw then (the earlier keys all still seen, more in the columns added): the
+    cache grew by a step, so the step's tokens stand that many places further on (SpecForge#424: EAGLE-3's TTT steps
+    rotated with position_ids, not position_ids + lck, where the flex path and mrope added the steps cached)."""
+    found, last = [], {}
+    for call in run.calls:
+        held = call.details.get("rotated_at")
+        if not held or held.get("module") is None or len(held.get("rows") or ()) not in (1, call.shape[0]):
+            continue
+        cells = keep(call)
+        if cells is None:
+            continue
+        batch, _, q_len, k_len = call.shape
+        seen = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
+        firsts = np.broadcast_to(np.asarray(held["rows"], dtype=np.int64), (batch, 3))  # (first, last, sum) a row
+        key = (call.where, held["module"], batch, q_len)
+        before = last.get(key)
+        last[key] = (seen, firsts, k_len)
+        if before is None or call.where in done:
+            continue
+        old, old_firsts, old_len = before
+        if old_len >= k_len:
+            continue
+        kept = ~(old & ~seen[:, :, :old_len]).any(axis=2)  # (B, Lq): every key seen before still seen
+        more = seen[:, :, old_len:].sum(axis=2)  # the keys appended that each query sees
+        grew = kept & (more > 0) & old.any(axis=2) & (old_firsts == firsts).all(axis=1)[:, None]
+        said = stated(run.top(call), batch, q_len)  # (the real queries the model call states, where it states them)
+        if said is not None and said[0].shape == grew.shape:
+            grew = grew & said[0]
+        if not grew.any():
+            continue
+        b, j = (int(x) for x in np.argwhere(grew)[0])
+        k = old_len + int(np.argmax(seen[b, j, old_len:]))
+        done.add(call.where)
+        found.append((call, Finding("positions-vs-keys", (
+            f"batch row {b}: query {j} sees the {int(old[b, j].sum())} keys it saw at this module's previous step and "
+            f"{int(more[b, j])} more appended (the cache grew by a step), yet its queries are rotated at the same "
+            f"positions as then ({int(firsts[b, 0])} to {int(firsts[b, 1])}): the step's tokens stand {int(more[b, j])} "
+            f"further on, and rotated where the step before sat they lose their distance to the keys cached "
+            f"(position_ids not offset by the steps cached?)"), expected=f"positions {int(more[b, j])} further on",
+            source="the rotary factors (cos/sin) its queries were multiplied by", cell=(b, j, k))))
+    return found
+
+
 def check(run: Run) -> list:
     """Each self-attention call of a model call that states positions, against the keys its queries see."""
     found, last, counted, done = [], {}, {}, set()
     found += _rotated(run, done)
+    found += _stepped(run, done)
     for top in run.tops:
         handed = _positions(top)
         if handed is None:
@@ -220,5 +271,7 @@ RULES = (
          "count the keys it sees: one that extends an earlier query's keys by n keys sits other than n positions after "
          "it (a draft tree's node at its index, not its depth), a step whose cache grew by one key moves the position "
          "by other than one, or a query sees more keys than its position counts where the site's every earlier query "
-         "saw exactly those; or a cached step's rotary table (cos/sin) encodes no position as far as its keys count", check),
+         "saw exactly those; or a cached step's rotary table (cos/sin) encodes no position as far as its keys count; or a "
+         "module's queries that see keys appended to those of its previous step are rotated at that step's positions",
+         check),
 )

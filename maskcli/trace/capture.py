@@ -23,7 +23,7 @@ import maskcli.trace.masks as readers
 import maskcli.trace.queried as queried, maskcli.trace.layerkinds as layerkinds  # (GPT-Neo's local layers)
 import maskcli.trace.calledflag as calledflag, maskcli.trace.askedcausal as askedcausal
 import maskcli.trace.padfill as padfill, maskcli.trace.namedmasks as namedmasks
-import maskcli.trace.offgrid as offgrid, maskcli.trace.ropeat as ropeat, maskcli.trace.positionsat as positionsat
+import maskcli.trace.offgrid as offgrid, maskcli.trace.rotated as rotated, maskcli.trace.positionsat as positionsat
 import maskcli.trace.poolspan as poolspan, maskcli.trace.padend as padend  # (the last: samples beside a held mask)
 import maskcli.trace.convpad as convpad, maskcli.trace.linearattn as linearattn  # (Σ φ(k) vᵀ: no softmax)
 from maskcli.trace.masks import Call, Operands
@@ -85,7 +85,7 @@ class Trace(Outer, Follow):
         from maskcli.trace.maskmean import REDUCES
         from maskcli.trace.weights import Weights
 
-        self.weights = Weights()  # (a softmax's weights and what is computed of them alone: weights.py)
+        self.weights, self.rotations = Weights(), rotated.Rotations()  # (a softmax's weights: weights.py; rotary factors)
         if self.scores is not None:
             self.readers[torch.exp] = self.readers[torch.Tensor.exp] = readers.exp_reader(self.scores, self.weights)
             from maskcli.trace.pointwise import ACTIVATIONS, activation_reader
@@ -350,8 +350,8 @@ class Trace(Outer, Follow):
             guarded(askedcausal.note, seen.details, self.sites.stack, self.sites.walked)  # (mask="subsequent" per call)
             for note in (padfill.note, namedmasks.note, offgrid.note, poolspan.note, padend.note, self.rowsout.note):
                 guarded(note, seen.details, self.sites.walked)  # (fill flags, `x_mask`s, positions, a row mask...)
-            for note in (ropeat.note, positionsat.note):  # (checks/positioned.py, checks/cachedpositions.py)
-                guarded(note, seen.details, self.sites.walked, seen.shape)
+            guarded(rotated.note, seen.details, self.rotations, self.sites.walked, seen.shape)  # (and ropeat's: positioned.py)
+            guarded(positionsat.note, seen.details, self.sites.walked, seen.shape)  # (checks/cachedpositions.py)
             chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
             if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
                 seen.details["held_chunks"] = chunks

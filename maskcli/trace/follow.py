@@ -303,6 +303,8 @@ class Follow:
                 reader.keep(self)
             elif reader is not None:
                 self.capture(reader, args, kwargs)
+        if func in MULS and getattr(self._local, "moded", False) and not self.busy:  # (the wrappers' own path
+            self.rotations.note(args, out)  # keeps it in poolweights.weighs_or: a rotary factor, trace/rotated.py)
         if func in MULS and self._pooled is not None and self._pooled.held and not self.busy:
             pool = weighting(self._pooled, args)  # (weights weighing values over their own axis: poolweights.py)
             if pool is not None:

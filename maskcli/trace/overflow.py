@@ -70,7 +70,20 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
         return None
     low = [float(x.detach().broadcast_to(out.shape)[over].min()) for x in operands if x.dim() and x.is_floating_point()]
     name = {torch.mul: "product", torch.Tensor.mul: "product", torch.Tensor.__rmul__: "product"}.get(func, "sum")
-    return {"op": name, "value": min(low) if low else None, "dtype": _dtype(out)}
+    found = {"op": name, "value": min(low) if low else None, "dtype": _dtype(out)}
+    if func in ADDS and _kept(operands):
+        found["kept"] = True
+    return found
+
+
+def _kept(operands: list) -> bool:
+    """Whether a mask summed keeps a cell (0 or more) in every row: a causal plane's diagonal. Then no row of the sum
+    is -inf only, whatever the other masks hold (a finite fill plus a kept cell stays finite): the overflow turned
+    cells into -inf that the fill masked anyway, and no softmax over it gives NaN."""
+    for x in operands:
+        if x.dim() >= 2 and x.is_floating_point() and x.shape[-1] and bool((x.detach().amax(dim=-1) >= 0).all()):
+            return True
+    return False
 
 
 def _bool_mask(args: tuple) -> torch.Tensor | None:

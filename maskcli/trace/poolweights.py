@@ -25,6 +25,8 @@ def weighs_or(trace, wanted):
     weights or a view of them (read off the ids first: every mul a model runs passes here)."""
 
     def either(args: tuple, kwargs: dict, out) -> bool:
+        if not trace._local.busy:  # (a rotary factor it multiplies by: trace/rotated.py)
+            trace.rotations.note(args, out)
         pooled = trace._pooled
         if pooled is not None and pooled.held and len(args) == 2 and not trace._local.busy:
             held = pooled.held
@@ -43,6 +45,8 @@ def fills_or(trace, wanted):
     (pooled.py's `filled`)."""
 
     def either(args: tuple, kwargs: dict, out) -> bool:
+        if not trace._local.busy:  # (a rotary factor it multiplies by: trace/rotated.py)
+            trace.rotations.note(args, out)
         pooled = trace._pooled
         if pooled is not None and pooled.held and not trace._local.busy:
             pooled.filled(args, out)
