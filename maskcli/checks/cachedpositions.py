@@ -74,6 +74,18 @@ def _judge(seen: np.ndarray, real: np.ndarray, asked: np.ndarray, cached: np.nda
     return True, (b, q, start + j, int(cached[b, j]))
 
 
+def _applied(call, asked: np.ndarray) -> bool:
+    """Whether the positions held are the ones the queries were rotated at, where trace/rotated.py read the rotation
+    (each row's first and last): a program that holds position_ids and adds the steps cached on the way to its rotary
+    table (HASS / EAGLE-3 TTT, `position_ids + lck`) rotates its queries further on than the name it holds says."""
+    rotated = call.details.get("rotated_at")
+    rows = None if not rotated else rotated.get("rows")
+    if not rows or len(rows) not in (1, asked.shape[0]):
+        return True
+    at = np.broadcast_to(np.asarray(rows, dtype=np.int64)[:, :2], (asked.shape[0], 2))
+    return bool((at[:, 0] == asked[:, 0]).all() and (at[:, 1] == asked[:, -1]).all())
+
+
 def check(run: Run) -> list:
     """Each cached step that states its queries' positions, against its site's latest prefill that stated its own."""
     found = []
@@ -94,7 +106,7 @@ def check(run: Run) -> list:
                 continue
             batch = real.shape[0]
             asked = _rows(held, batch)
-            if asked is None:
+            if asked is None or not _applied(call, asked):
                 continue
             seen = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
             said = [_judge(seen, real, asked, cached, q_len, start, own)
