@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, first_cell, keep
-from maskcli.checks.real import _edge
+from maskcli.checks.real import _edge, handed_ids
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -38,13 +38,10 @@ SOURCE = ("src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
 
 def _ids(arguments: dict) -> tuple[str, np.ndarray, int, str] | None:
     """(name, ids, pad id, where the pad id is said) of the model call's token ids, where it states a pad id."""
-    name = next((n for n in IDS if isinstance(arguments.get(n), np.ndarray) and arguments[n].ndim == 2), None)
-    if name is not None:
-        ids = arguments[name]
-    elif "first_ids" in arguments:
-        name, ids = arguments["first_ids"]
-    else:
+    found = handed_ids(arguments, IDS)
+    if found is None:
         return None
+    name, ids = found
     for field, said in ((("src_pad_id" if name in SOURCE else "pad_id"), "the model's pad id"), ("pad_id", "the model's pad id"),
                         ("tokenizer_pad_id", "its tokenizer's pad id")):
         if isinstance(arguments.get(field), int):

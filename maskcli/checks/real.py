@@ -36,6 +36,18 @@ PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = pa
 REAL_TRUE = ("attention_mask", "patch_attention_mask", "patch_attn_mask")  # 1 = a real token (a real patch)
 LENGTHS = ("lengths", "seq_lens", "seq_lengths", "input_lengths")
 TOKENS = ("input_ids", "idx", "tokens")
+
+
+def handed_ids(arguments: dict, names: tuple = TOKENS) -> tuple[str, np.ndarray] | None:
+    """(its name, (B, L)) of the token ids a model call was handed: the first of `names` it holds 2-D, else a
+    hand-written forward's first argument (trace/tops.py's `first_ids`); None where it holds neither."""
+    name = next((n for n in names if isinstance(arguments.get(n), np.ndarray) and arguments[n].ndim == 2), None)
+    if name is not None:
+        return name, arguments[name]
+    held = arguments.get("first_ids")
+    if isinstance(held, tuple) and len(held) == 2 and isinstance(held[1], np.ndarray) and held[1].ndim == 2:
+        return held
+    return None
 SOURCE = "src_tokens"  # (fairseq's and Uni-Mol's encoder ids: read as the tokens where no target side is handed beside
 # them; an encoder-decoder's decoder attends other tokens, so arguments.py reads them only where the model call makes
 # no cross-attention)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, keep
+from maskcli.checks.real import handed_ids
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -31,13 +32,9 @@ IDS = ("input_ids", "idx", "tokens", "inputs")
 def _ids(top) -> tuple[str, np.ndarray] | None:
     """(its name, int64 (B, L)) of the token ids a model call was handed; None where it states none."""
     arguments = top.arguments
-    for name in IDS:
-        given = arguments.get(name)
-        if isinstance(given, np.ndarray) and given.ndim == 2 and given.size:
-            return name, given
-    held = arguments.get("first_ids")
-    if isinstance(held, tuple) and len(held) == 2 and isinstance(held[1], np.ndarray) and held[1].ndim == 2:
-        return held[0], held[1]
+    found = handed_ids(arguments, IDS)
+    if found is not None and found[1].size:
+        return found
     given = arguments.get("embeds_ids")
     if isinstance(given, np.ndarray) and given.ndim == 2 and given.size:
         return "inputs_embeds (one id per vector)", given

@@ -24,9 +24,9 @@ FRAMES = 4  # program frames read outward from the model call (tops.WITHHELD_FRA
 
 
 def _parameters(module) -> tuple:
-    from maskcli.trace.tops import _signature
+    from maskcli.trace.modules import signature_or_none
 
-    signature = _signature(type(module))
+    signature = signature_or_none(type(module))
     return () if signature is None else tuple(n for n in signature.parameters if NAMES.match(n))
 
 

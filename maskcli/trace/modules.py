@@ -32,6 +32,15 @@ def forward_signature(cls) -> inspect.Signature:
     return inspect.signature(cls.forward)
 
 
+@functools.cache
+def signature_or_none(cls) -> inspect.Signature | None:
+    """forward_signature, or None where the class's forward has none to read (a builtin's, a C extension's)."""
+    try:
+        return forward_signature(cls)
+    except (TypeError, ValueError):
+        return None
+
+
 def _arguments(module, args: tuple, kwargs: dict) -> dict:
     """The module's forward arguments by name, defaults filled in."""
     bound = forward_signature(type(module)).bind(module, *args, **kwargs)

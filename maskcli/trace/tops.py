@@ -7,7 +7,6 @@ that say where tokens are, as small numpy arrays, and the range of attention cal
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import re
@@ -27,6 +26,7 @@ from maskcli.trace.handedshapes import handed_shapes
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
 from maskcli.trace.labelids import shifted_labels
+from maskcli.trace.modules import signature_or_none as _signature
 from maskcli.trace.padded import MOST, input_mask, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
 from maskcli.trace.samplefields import sample_fields
 from maskcli.trace.samplerows import sample_rows
@@ -61,14 +61,6 @@ SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens
 # a vision tower's patch padding, True (1) = a real patch: Idefics2's (B, H/p, W/p), MiniCPM-V's (B, 1, patches); kept flat
 PATCHES = ("patch_attention_mask", "patch_attn_mask")
 _NAMED = ARGUMENTS + PATCHES
-
-
-@functools.cache
-def _signature(cls) -> inspect.Signature | None:
-    try:
-        return inspect.signature(cls.forward)
-    except (TypeError, ValueError):
-        return None
 
 
 def _given(module, args: tuple, kwargs: dict) -> tuple[inspect.Signature | None, dict]:
