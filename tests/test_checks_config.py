@@ -624,3 +624,21 @@ def test_megatron_interleaved_pattern_states_each_layers_kind(tmp_path):
     local, glob = 3, 2  # the reference: Megatron's fixed classifier, 1-based layer numbers
     kinds = ["sliding" if (n - 1) % (local + glob) < local else "full" for n in range(1, 6)]
     assert kinds == ["sliding", "sliding", "sliding", "full", "full"]
+
+
+def test_a_flag_said_for_the_whole_program_is_its_encoders_not_the_decoders_beside_it():
+    # SpeechBrain's AISHELL recipe (speechbrain#2606, written blind, batch blind-fx): hparams `causal: False` in the
+    # recipe's dict, an encoder run both ways and a decoder whose self-attention is causal, as every decoder's is
+    class Seq2Seq(torch.nn.Module):
+        def __init__(self, encoder_causal):
+            super().__init__()
+            self.encoder = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([_Layer(None) if encoder_causal else _Full()])})
+            self.decoder = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([_Layer(None)])})
+
+        def forward(self, x):
+            return self.decoder["layers"][0](self.encoder["layers"][0](x))
+
+    hparams = {"num_attention_heads": 2, "causal": False}  # noqa: F841 - read from this frame by the trace
+    assert _codes(Seq2Seq(encoder_causal=False)) == []
+    # the encoder run causal against it is still the flag ignored
+    assert _codes(Seq2Seq(encoder_causal=True)) == [("bidirectional-run-causal", "wrong")]

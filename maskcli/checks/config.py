@@ -7,9 +7,9 @@ layer a sliding one, `attention_chunk_size` a chunked one. A config that states 
 causal=False, bidirectional=True, use_bidirectional_attention) makes full layers full and a window symmetric.
 
 A rule here speaks only where the mask is exactly a specific wrong one (the window one key wider or narrower, plain
-causal where the window or the chunks would cut, a window on a full layer, a one-sided window or a causal mask where
-the config says both ways), compared per batch row on the real queries and keys only (the model call's attention_mask,
-else the padding read off the mask: keypadding), so a rule that holds unpadded holds padded; a mask no such expression
+causal where the window or the chunks would cut, a window on a full layer, a one-sided window or a causal mask where the
+config says both ways), compared per batch row on the real queries and keys only (the model call's attention_mask, else
+the padding read off the mask: keypadding), so a rule that holds unpadded holds padded; a mask no such expression
 rebuilds (image spans, documents) is left to the rules that can name it.
 """
 
@@ -21,6 +21,7 @@ from maskcli.checks.context import Run, columns_are_positions, found_padding, ke
 from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent
 from maskcli.checks.real import behind_cache, slack_dropped, trimmed
 from maskcli.checks.registry import Rule
+from maskcli.checks.sides import beside_encoder
 from maskcli.keypadding import valid
 from maskcli.text import Finding
 
@@ -364,17 +365,16 @@ def both_ways(run: Run) -> list:
     found = []
     for call, stated, index, kind, placed in _each_layer_call(run):
         said = stated.bidirectional()
-        if said is None or stated.decoder or placed.holds("full") or not placed.holds("causal"):
+        if said is None or stated.decoder or placed.holds("full") or not placed.holds("causal") or beside_encoder(run, call):
             continue
         size = stated.window()[0] if kind is not None and kind[0] == "sliding_attention" and stated.window() else 0
         if any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
             continue  # a one-sided window: window-one-sided says it
         source, sure = stated.said(said), stated.sure_both_ways()
         found.append((call, Finding("bidirectional-run-causal", (
-            f"{_layer(index, call)} is run causal, but its config states the attention both ways ({source}): "
-            f"each token should see the later ones too" + ("" if sure else f", unless {said} is said of another "
-            f"part (an RNN, a convolution)")), severity=None if sure else "suspicious", expected="full",
-            source=source)))
+            f"{_layer(index, call)} is run causal, but its config states the attention both ways ({source}): each token"
+            f" should see the later ones too" + ("" if sure else f", unless {said} is said of another part (an RNN, a "
+            f"convolution)")), severity=None if sure else "suspicious", expected="full", source=source)))
     return found
 
 

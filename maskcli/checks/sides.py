@@ -63,6 +63,18 @@ def _at_one_end(pad: np.ndarray) -> bool:
     return bool(((columns >= pad.shape[1] - count) == pad).all() or ((columns < count) == pad).all())
 
 
+def beside_encoder(run: Run, call) -> bool:
+    """The call is a decoder's (its module path says so) in a run whose calls hold an encoder too: a flag said for the
+    whole program (SpeechBrain's hparams `causal: False`) is its encoder's, the decoder beside it causal by design."""
+    if not DECODER.search(call.where or "") or ENCODER.search(call.where or ""):
+        return False
+    held = run.__dict__.get("_encoded")
+    if held is None:
+        held = run.__dict__["_encoded"] = any(ENCODER.search(one.where or "") and not DECODER.search(one.where or "")
+                                              for one in run.calls)
+    return held
+
+
 def _side(call, lengths: dict) -> str | None:
     where = getattr(call, "where", "") or ""
     encoder, decoder = bool(ENCODER.search(where)), bool(DECODER.search(where))
