@@ -144,3 +144,12 @@ def test_moonshine_strided_frame_mask_keeps_frames_made_partly_of_the_padding(tm
     assert "keeps frames 23-24 of that row" in hit["message"]
     assert "partly from the row's last real samples and partly from the padding" in hit["message"]
     assert f"frame 23 is computed from samples {first}-{last}, the row's real ones end at 9599" in hit["message"]
+
+
+def test_espnet_conv2d_wo_posenc_mask_sliced_over_the_padded_batch(tmp_path):
+    """espnet#6670 (written blind, batch blind-fx, caught before any change): Conv2dSubsamplingWOPosEnc, the contextual
+    block encoder's front end, sliced the mask over the padded width; lengths 363 and 288, two Conv2d(3, stride 2) make
+    71 frames of row 1's 288, the sliced mask keeps 72."""
+    [hit] = check_bug(tmp_path, "espnet_contextual_block_conv2d_wo_posenc_mask_sliced_from_padded_width", "padded-frames-attended")
+    real = made(288, [conv1d(3, 2), conv1d(3, 2)])
+    assert real == 71 and hit["cell"][0] == 1 and hit["cell"][2] == real, hit
