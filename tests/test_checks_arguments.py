@@ -70,6 +70,9 @@ BUGS = [
     # agemagician/Ankh#24 again (fixed in commit 50f011f; written blind anew, batch blind-dv, caught before any rule was
     # changed for it): the README's feature extraction keeps only ['input_ids'] of the padded batch
     ("ankh_feature_extraction_readme_drops_attention_mask", "padding-ignored"),
+    # ThilinaRajapakse/simpletransformers 53933d2 (written blind, batch blind-fy, caught before any rule was changed for
+    # it): RepresentationModel._tokenize padded the batch and kept only input_ids, so BERT saw no attention mask
+    ("simpletransformers_representation_model_attention_mask_not_passed", "padding-ignored"),
 ]
 
 

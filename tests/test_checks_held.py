@@ -27,6 +27,15 @@ def test_e2_tts_transformer_self_attention_ignores_lens_mask(tmp_path):
     assert tuple(found[0]["cell"]) == first((2, 20, 20), lambda b, q, k: q < lens[b] and k >= lens[b])
 
 
+def test_allennlp_bert_embedder_mask_handed_as_token_types(tmp_path):
+    """allenai/allennlp#2145 (written blind, batch blind-fy; caught before any rule was changed for it): BertEmbedder
+    handed (input_ids, input_mask, token_type_ids) by position to a BertModel that takes (input_ids, token_type_ids,
+    attention_mask), so the all-zero token types were the mask: every key -10000 alike, the padding seen."""
+    found = check_bug(tmp_path, "allennlp_bert_embedder_mask_passed_as_token_type_ids", "padding-unused")
+    lens = (9, 5, 3)  # (the program's wordpieces: [CLS] 7 words [SEP], [CLS] 3 words [SEP], [CLS] 1 word [SEP])
+    assert tuple(found[0]["cell"]) == first((3, 9, 9), lambda b, q, k: q < lens[b] and k >= lens[b])
+
+
 def test_a_conformer_style_lengths_held_and_never_made_a_mask(tmp_path):
     """Written another way: a left-padded batch, its `src_lengths` held by the encoder, nn.MultiheadAttention called
     with no key_padding_mask."""

@@ -32,6 +32,7 @@ from maskcli.trace.samplefields import sample_fields
 from maskcli.trace.samplerows import sample_rows
 from maskcli.trace.targetmap import target_mapping
 from maskcli.trace.tiles import zero_units
+from maskcli.trace.tokentypes import token_types
 from maskcli.trace.tokenids import token_ids as _token_ids
 from maskcli.trace.framebudget import video_input
 from maskcli.trace.zeromemory import zero_memory
@@ -111,6 +112,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     if "segment_ids" not in found and "seq_idx" not in found:
         found.update(_held_segments(given) or _decoder_segments(given))
+    found = token_types(module, found)  # (a segment_ids argument the model embeds as token types: BERT's)
     for name in ("cache_position", "input_pos"):  # slots of a cache: one below 0 is none (the program's own nonsense,
         held_slots = found.get(name)  # which its model may never read): it states no place for the queries
         if isinstance(held_slots, np.ndarray) and held_slots.size and held_slots.min() < 0:
