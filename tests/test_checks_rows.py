@@ -700,3 +700,28 @@ def test_unsloth_gemma2_padded_inference_mask_converted_again_and_cut_to_row_0(t
     given = lambda b, q, k: real[b][k] and row0(q, k)  # noqa: E731 - the windowed 4-D mask every layer gets
     full = lambda b, q, k: real[b][k] and k <= q  # noqa: E731 - what layer_types[1] states: causal + padding
     assert first((2, t, t), lambda b, q, k: full(b, q, k) and not given(b, q, k)) == (0, 4, 0)  # a key the window cut
+
+
+def test_an_additive_mask_converted_again_as_if_it_were_0_1_masks_everything(tmp_path):
+    """unsloth#3034's bug written another way: a generation wrapper hands the decoder a 4-D additive mask (0 / finfo.min,
+    causal and padding) and the decoder converts it again, `(1.0 - mask) * finfo.min`: its kept cells become finfo.min
+    and its masked ones -inf, so no key is let through; nn.MultiheadAttention (batch_first) with a (b * heads, L, L)
+    float mask, right padded. The cell is a double loop's first where the converted value masks; MHA spreads the weight
+    over the finfo.min keys (torch's answer, checked). The fix (a 4-D mask passed on as it is) is quiet, and so is the
+    same decoder handed the 0/1 mask and converting it once, left padded (its pad queries: a note)."""
+    import torch
+
+    from checkbugs import traced
+
+    found = check_bug(tmp_path, "additive_mask_converted_again_mha_right_padded", "fully-masked", ROWSDATA)
+    lengths, t, low = (6, 3), 6, torch.finfo(torch.float32).min
+    additive = [[[0.0 if k <= q and k < n else low for k in range(t)] for q in range(t)] for n in lengths]
+    again = torch.tensor([[[(1.0 - v) * low for v in row] for row in plane] for plane in additive])  # cell by cell
+    assert tuple(found[0]["cell"]) == first((2, t, t), lambda b, q, k: bool(again[b, q, k] < 0)), found
+    assert "the mask masks everything (uniform weights over the keys its float mask fills with a finite value" in \
+        found[0]["message"], found
+    weights = torch.softmax(torch.randn(t) + again[1, 5], -1)  # row 1's last query: its 3 real keys, evenly
+    assert torch.allclose(weights, torch.tensor([1 / 3] * 3 + [0.0] * 3))
+    status, found, report = traced(tmp_path, "additive_mask_converted_once_mha_left_padded_quiet", False, ROWSDATA)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert [f["severity"] for f in found if f["code"] == "fully-masked"] == ["note"], report
