@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import maskcli
-from checkbugs import check_bug, traced
+from checkbugs import check_bug, first, traced
 from maskcli.checks.config import Placed, layer_kind, real
 from maskcli.checks.real import slack_dropped
 from maskcli.checks.registry import severity
@@ -642,3 +642,21 @@ def test_a_flag_said_for_the_whole_program_is_its_encoders_not_the_decoders_besi
     assert _codes(Seq2Seq(encoder_causal=False)) == []
     # the encoder run causal against it is still the flag ignored
     assert _codes(Seq2Seq(encoder_causal=True)) == [("bidirectional-run-causal", "wrong")]
+
+
+def test_global_layers_handed_the_mask_made_4d_with_the_window_up_front(tmp_path):
+    """unslothai/unsloth#3034's fix (8e994f07fb) keeps this, written another way: a dict config's layer_types, the 2-D
+    mask made 4-D with the model-wide window before the masks are split by kind, a helper that returns a 4-D mask as
+    given, so the "full" mask built with window=None is the windowed one; right padding, SDPA with a bool keep mask.
+    Layer 1 is flagged, against a double loop over absolute positions: the full layer's causal + padding sees a key
+    its mask hides. The fix (both masks from the 2-D one) is quiet, and so is the same model, correct, left padded."""
+    name = "global_layers_reuse_prewindowed_4d_mask_right_padded_sdpa"
+    flagged = check_bug(tmp_path, name, "window-on-full-layer", WINDOWS)
+    assert [f["message"].split(" is a ")[0] for f in flagged] == ["layer 1"], flagged
+    assert flagged[0]["source"] == "layer_types[1] (self.config of Model (dict))", flagged
+    lengths, t, window = (9, 6), 9, 3
+    full = lambda b, q, k: k < lengths[b] and k <= q  # noqa: E731 - what layer_types[1] states
+    given = lambda b, q, k: full(b, q, k) and q - k < window  # noqa: E731
+    assert first((2, t, t), lambda b, q, k: full(b, q, k) and not given(b, q, k)) == (0, 3, 0)
+    status, found, report = traced(tmp_path, "global_layers_own_4d_mask_left_padded_quiet", False, WINDOWS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

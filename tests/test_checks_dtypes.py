@@ -79,6 +79,25 @@ def test_two_min_planes_summed_in_bfloat16_are_suspicious_under_sdpa():
     assert "+ another mask in bfloat16 became -inf" in found[0][2] and "torch.where" in found[0][2], found
 
 
+def test_an_additive_mask_converted_again_is_told_as_a_product_by_the_number():
+    """unslothai/unsloth#3034's `(1.0 - mask) * finfo.min` over a mask already 0 / finfo.min: its kept cells become
+    finfo.min and its masked ones (1 - finfo.min) * finfo.min, past the range: -inf. The trace is handed torch's `mul`
+    while torch's attributes are its wrappers: the op is still a product, said with the number it was scaled by."""
+    def program():
+        low = torch.finfo(torch.float32).min
+        additive = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), low)[None, None]
+        again = (1.0 - additive) * low
+        reference = torch.where(additive == 0, torch.tensor(low), torch.tensor(float("-inf")))  # cell by cell
+        assert torch.equal(again, reference)
+        q = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(q, q, q, attn_mask=again)
+
+    found = [f for f in traced(program) if f[0] == "fill-became-inf"]
+    assert len(found) == 1 and found[0][1] == "suspicious", found
+    assert "3.40282e+38 x -3.40282e+38 in float32 became -inf" in found[0][2], found
+    assert "converted again" in found[0][2], found
+
+
 def test_a_causal_plane_plus_a_padding_plane_of_min_is_quiet():
     """NVIDIA-NeMo/Automodel#2658's builder: a causal plane and a padding plane of finfo(bfloat16).min added, -inf where
     both mask. The causal plane keeps each query's own key (0), so no row of the sum can be -inf only, whatever the

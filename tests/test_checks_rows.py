@@ -651,3 +651,77 @@ def test_a_static_cache_mask_rebuilt_after_meta_init_with_left_pad_rows_sdpa_zer
                                    ROWSDATA)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert [f["severity"] for f in found if f["code"] == "fully-masked"] == ["note"], report
+
+
+def test_unsloth_gemma2_padded_inference_mask_converted_again_and_cut_to_row_0(tmp_path):
+    """unslothai/unsloth#3034 (8e994f07fb; written blind, batch blind-fw): Gemma 2's eval path re-applies
+    `(1.0 - mask) * finfo.min` to the 4-D mask already 0 / finfo.min (kept cells -> finfo.min, masked -> -inf) and cuts it
+    to `[0][0]`, batch row 0's. No cell of it lets a key through, so every query of both rows sees none (the cell, the
+    double loop's first), while the model call's attention_mask calls row 0's 8 tokens and row 1's 3 real; the softmax
+    spreads the weight over row 0's finfo.min keys and gives the -inf ones none (torch's answer, the program's print).
+
+    The fix is flagged window-on-full-layer, and that is true of unsloth's code at 8e994f07fb (and at 015bdef0d9):
+    LlamaModel_fast_forward's eval branch turns the 2-D mask into a 4-D one with `sliding_window =
+    getattr(self.config, "sliding_window", None)` before the Gemma 2 branch, and transformers'
+    `_prepare_4d_causal_attention_mask_for_sdpa` returns a 4-D mask as given, so dynamic_GA_mask, built "with
+    sliding_window=None" for the odd (global) layers, is the windowed mask: Gemma2Config's layer_types[1] is
+    full_attention, and layer 1 sees 4 keys at most (a padded prompt longer than sliding_window, on the path without
+    flash-attn's softcapping)."""
+    import torch
+    from transformers import Gemma2Config
+
+    from checkbugs import traced
+
+    name = "unsloth_gemma2_padded_inference_mask_inverted_row0_only"
+    status, found, report = traced(tmp_path, name, False)
+    assert status == 1, report
+    lengths, t, window = (8, 3), 8, 4
+    real = [[k >= t - n for k in range(t)] for n in lengths]  # left padded
+    row0 = lambda q, k: k <= q and q - k < window  # noqa: E731 - the mask cut to [0][0]: row 0's, no padding
+    values = [[torch.finfo(torch.float32).min if row0(q, k) else float("-inf") for k in range(t)] for q in range(t)]
+    [masked] = [f for f in found if f["code"] == "fully-masked"]
+    assert masked["severity"] == "wrong" and "the mask masks everything" in masked["message"], report
+    assert tuple(masked["cell"]) == first((2, t, t), lambda b, q, k: values[q][k] < 0), report  # no cell is 0
+    assert "uniform weights over the keys its finite fill holds there, none on the -inf ones" in masked["message"]
+    weights = torch.softmax(torch.randn(t, t) + torch.tensor(values), -1)  # uniform over row 0's window, whatever the scores
+    assert torch.allclose(weights[-1], torch.tensor([0.0] * 4 + [0.25] * 4)) and not real[1][4]  # pad key 4 of row 1
+    [blind] = [f for f in found if f["code"] == "real-query-blind"]
+    assert blind["severity"] == "wrong" and "(11 such rows)" in blind["message"], report  # 8 + 3 real queries
+    assert tuple(blind["cell"]) == first((2, t, t), lambda b, q, k: real[b][q] and values[q][k] < 0), report
+    [inf] = [f for f in found if f["code"] == "fill-became-inf"]
+    assert inf["severity"] == "suspicious" and "x -3.40282e+38 in float32" in inf["message"], report
+
+    status, found, report = traced(tmp_path, name, True)
+    assert [(f["code"], f["severity"]) for f in found if f["severity"] in ("wrong", "suspicious")] == [
+        ("window-on-full-layer", "wrong")], report  # true of the fix, above
+    [wide] = [f for f in found if f["code"] == "window-on-full-layer"]
+    config = Gemma2Config(num_hidden_layers=2, sliding_window=window)
+    assert config.layer_types[1] == "full_attention" and wide["message"].startswith("layer 1 is a full-attention layer")
+    given = lambda b, q, k: real[b][k] and row0(q, k)  # noqa: E731 - the windowed 4-D mask every layer gets
+    full = lambda b, q, k: real[b][k] and k <= q  # noqa: E731 - what layer_types[1] states: causal + padding
+    assert first((2, t, t), lambda b, q, k: full(b, q, k) and not given(b, q, k)) == (0, 4, 0)  # a key the window cut
+
+
+def test_an_additive_mask_converted_again_as_if_it_were_0_1_masks_everything(tmp_path):
+    """unsloth#3034's bug written another way: a generation wrapper hands the decoder a 4-D additive mask (0 / finfo.min,
+    causal and padding) and the decoder converts it again, `(1.0 - mask) * finfo.min`: its kept cells become finfo.min
+    and its masked ones -inf, so no key is let through; nn.MultiheadAttention (batch_first) with a (b * heads, L, L)
+    float mask, right padded. The cell is a double loop's first where the converted value masks; MHA spreads the weight
+    over the finfo.min keys (torch's answer, checked). The fix (a 4-D mask passed on as it is) is quiet, and so is the
+    same decoder handed the 0/1 mask and converting it once, left padded (its pad queries: a note)."""
+    import torch
+
+    from checkbugs import traced
+
+    found = check_bug(tmp_path, "additive_mask_converted_again_mha_right_padded", "fully-masked", ROWSDATA)
+    lengths, t, low = (6, 3), 6, torch.finfo(torch.float32).min
+    additive = [[[0.0 if k <= q and k < n else low for k in range(t)] for q in range(t)] for n in lengths]
+    again = torch.tensor([[[(1.0 - v) * low for v in row] for row in plane] for plane in additive])  # cell by cell
+    assert tuple(found[0]["cell"]) == first((2, t, t), lambda b, q, k: bool(again[b, q, k] < 0)), found
+    assert "the mask masks everything (uniform weights over the keys its float mask fills with a finite value" in \
+        found[0]["message"], found
+    weights = torch.softmax(torch.randn(t) + again[1, 5], -1)  # row 1's last query: its 3 real keys, evenly
+    assert torch.allclose(weights, torch.tensor([1 / 3] * 3 + [0.0] * 3))
+    status, found, report = traced(tmp_path, "additive_mask_converted_once_mha_left_padded_quiet", False, ROWSDATA)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert [f["severity"] for f in found if f["code"] == "fully-masked"] == ["note"], report

@@ -28,6 +28,8 @@ def _how(found: dict) -> str:
     if found.get("op") == "cast":
         return f"{shown} cast from {found.get('from')} to {found.get('dtype')}"
     other = "a score" if found.get("scores") else "another mask"
+    if isinstance(found.get("by"), float):  # (a mask scaled or shifted by a number: `(1.0 - mask) * finfo.min`)
+        other = f"{found['by']:.6g}"
     return f"{shown} {'+' if found.get('op') == 'sum' else 'x'} {other} in {found.get('dtype')}"
 
 
@@ -36,6 +38,8 @@ def _fix(found: dict) -> str:
         return f"fill with torch.finfo({found.get('dtype')}).min"
     if found.get("scores"):
         return "clamp the sum at finfo.min, or add in float32"
+    if found.get("op") == "product":  # (a fill times a fill: `(1.0 - mask) * finfo.min` of a mask already additive)
+        return "scale a 0/1 mask by the fill, not one that already holds it: an additive mask converted again?"
     return "combine the masks with torch.where, not +"
 
 

@@ -17,8 +17,12 @@ def what_api_does(call) -> str:
         return "0 output there (the program zeroes those rows' output after the product with the values)"
     if api == "softmax" and details.get("by_hand") not in (None, "exp"):  # silu(scores): trace/pointwise.py
         return f"0 output there ({details['by_hand']} of a fill weighs every key about 0)"
+    if api == "softmax" and details.get("fill") == "-inf" and not details.get("nan_rows", True):
+        # -inf in these scores, yet no row is -inf only: a row with no key holds a finite low fill too, and the softmax
+        # spreads its weight evenly over those keys alone (unsloth#3034's re-inverted mask: finfo.min kept, -inf masked)
+        return "uniform weights over the keys its finite fill holds there, none on the -inf ones (both fills mixed)"
     if api == "softmax":
-        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
+        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf"
                 else "uniform weights over every key there, masked ones included (a finite fill)")
     if api == "sdpa" and details.get("poison"):  # (trace/maskfacts.poison: NaN or +inf in a float attn_mask)
         return (f"NaN output there where the mask adds {details['poison']['value']} to the row, 0 where only -inf or a "

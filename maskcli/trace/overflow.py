@@ -30,6 +30,8 @@ SUMS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__, torch.sub, torch.Ten
         torch.mul, torch.Tensor.mul, torch.Tensor.__rmul__}
 CASTS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.type_as}
 ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__}
+PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__rmul__}  # (read at import, as SUMS: while tracing, torch's
+# attributes are the trace's wrappers, and the mode is handed the functions torch defines)
 WATCHED = SUMS | CASTS
 IN_PLACE = {torch.Tensor.add_}  # `scores += mask`: looked at while scores are followed, for a bool added only
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
@@ -58,19 +60,24 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
         return None
     inf = torch.isneginf(out)
     finite = torch.ones((), dtype=torch.bool, device=out.device)
-    operands = []
+    operands, numbers = [], []
     for x in (*args, *kwargs.values()):
         if isinstance(x, torch.Tensor):
             finite = finite & torch.isfinite(x)
             operands.append(x)
-        elif isinstance(x, (int, float)) and not math.isfinite(x):
-            return None  # (-inf given: nothing overflowed)
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            if not math.isfinite(x):
+                return None  # (-inf given: nothing overflowed)
+            numbers.append(float(x))
     over = inf & finite
     if not bool(over.any()):
         return None
     low = [float(x.detach().broadcast_to(out.shape)[over].min()) for x in operands if x.dim() and x.is_floating_point()]
-    name = {torch.mul: "product", torch.Tensor.mul: "product", torch.Tensor.__rmul__: "product"}.get(func, "sum")
+    name = "product" if func in PRODUCTS else "sum"
     found = {"op": name, "value": min(low) if low else None, "dtype": _dtype(out)}
+    if numbers and name == "product":  # (`(1.0 - mask) * finfo.min`: the number it was scaled by, said beside the
+        # tensor's value; a sum's number may be subtracted, so it stays "another mask")
+        found["by"] = numbers[0]
     if func in ADDS and _kept(operands):
         found["kept"] = True
     return found
