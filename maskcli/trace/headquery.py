@@ -8,9 +8,10 @@ request's one query, (H, D), against them with an einsum whose output keeps the 
 decode wrapper gathers the window's keys, a full one every key of the request), and the softmax over those scores is
 the attention call. Its scores are noted here (Scores.heads: id -> the einsum's own reading) and the softmax over them is
 read as one query of H heads at the last of its keys, (1, H, 1, n) or (B, H, 1, n), as an SDPA call of one query is
-read; the site's reading (crossing.py) says whether those keys are the request's own. A 2-D (X, n) is read so only
-where a running module states X heads (`num_heads`, SGLang's `tp_q_head_num`, ...): else its rows may be batch rows of
-one decoder state against a memory, which this reading does not take (no call is recorded of it, as before).
+read; the site's reading (crossing.py) says whether those keys are the request's own. Read so only where a running
+module states X heads for the axis read as heads (`num_heads`, SGLang's `tp_q_head_num`, ...): else that axis may be
+batch rows of one decoder state each against a memory, or each query's own gathered neighbours (ProteinMPNN's
+"blh,blkh->blk"), which this reading does not take (no call is recorded of it).
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def noted(scores, args: tuple, out) -> bool:
 
 
 def reader(softmax, scores, args: tuple, kwargs: dict, stack):
-    """The reader of a softmax over one query's scores per head (Scores.heads): (X, n) read as (1, X, 1, n) where a
-    running module states X heads (`stack()`: the running modules, asked as the call is recorded; else no call),
-    (B, H, n) as (B, H, 1, n); `softmax` itself for any other input."""
+    """The reader of a softmax over one query's scores per head (Scores.heads): (X, n) read as (1, X, 1, n) and
+    (B, X, n) as (B, X, 1, n) where a running module states X heads (`stack()`: the running modules, asked as the call
+    is recorded; else no call); `softmax` itself for any other input."""
     x = args[0] if args else kwargs.get("input", kwargs.get("self"))
     if not isinstance(x, torch.Tensor) or id(x) not in scores.heads or not scores.has(x) or x.dim() not in (2, 3):
         return softmax
@@ -70,8 +71,10 @@ def reader(softmax, scores, args: tuple, kwargs: dict, stack):
         return softmax
 
     def heads(args_, kwargs_):
-        if x.dim() == 2 and x.shape[0] > 1 and stated_heads(stack(), QUERY_HEADS) != x.shape[0]:
-            return None  # (rows that may be a batch's, one decoder state each against a memory: not read here)
+        heads_axis = int(x.shape[0] if x.dim() == 2 else x.shape[1])
+        if heads_axis > 1 and stated_heads(stack(), QUERY_HEADS) != heads_axis:
+            return None  # (rows that may be a batch's, one decoder state each against a memory, or each query's own
+            # gathered neighbours, ProteinMPNN's "blh,blkh->blk": not read here)
         seen = softmax(((x[None] if x.dim() == 2 else x)[:, :, None, :], -1), {})
         if seen is not None:
             seen.details["head_query"] = "one query per head scored by an einsum with no query axis, " \
