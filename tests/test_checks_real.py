@@ -274,3 +274,17 @@ def test_real_tokens_read_off_runs_are_read_offs():
                   "starts": starts[:, :, None], "ends": ends[:, :, None]}
         read = _runs(stored, rows, q_len, k_len)
         assert np.array_equal(read[0], starts) and np.array_equal(read[1], ends)
+
+
+def test_a_site_run_once_per_request_within_a_model_call_counts_no_positions(tmp_path):
+    """trimmed() counts a site's query positions along its calls, as one sequence's. A decode kernel called once per
+    request (sgl-project/sglang#4823's flashinfer port: two requests, each decode step a call per request at the same
+    site) runs several sequences through the site within one model call: the count would put request 0's query at
+    request 1's position (9, where it sits at 6) and call its whole cache rolled. No count there: window-miscounted
+    stays silent, and the window rules that place each request's query at the end of its own keys say the bug."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "sglang_gemma3_flashinfer_decode_sliding_layers_see_full_cache", False)
+    assert status == 1 and not any(f["code"] == "window-miscounted" for f in found), report
+    dropped = [f for f in found if f["code"] == "window-dropped"]
+    assert dropped and tuple(dropped[0]["cell"]) == (0, 6, 0)  # request 0's first decode: position 6 sees key 0

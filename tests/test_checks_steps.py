@@ -391,3 +391,51 @@ def test_a_chunk_whose_keys_are_its_own_then_the_cached_prefix_holds_the_padding
     b, q, k = first((2, 4, width), lambda b, q, k: k >= lengths[b])
     assert tuple(lost[0]["cell"]) == (b, width + q, k)
     assert "the padding is lost behind the cache" in lost[0]["message"]
+
+
+# A window the prefill has, gone at decode, where the decode kernel masks nothing: it gathers each request's keys out
+# of a KV pool by index and scores one query per head against them with an einsum (trace/headquery.py reads it)
+
+WINDOWS = Path(__file__).parent / "data" / "windows"
+
+
+def test_sglang_gemma3_flashinfer_decode_without_the_sliding_wrapper(tmp_path):
+    """sgl-project/sglang#4823 (written blind, batch blind-ft): Gemma3ForCausalLM lacked
+    get_attention_sliding_window_size, so the flashinfer backend built one decode wrapper and a sliding layer's decode
+    gathered the whole request (the prefill applied window_left per layer). Per request, its one query at position
+    seq_len - 1 sees every key 0 .. seq_len - 1; the window (sliding_window=4, counting the query) keeps 4. Fix quiet."""
+    from checkbugs import traced
+
+    lost = check_bug(tmp_path, "sglang_gemma3_flashinfer_decode_sliding_layers_see_full_cache", "window-lost")
+    _, found, _ = traced(tmp_path, "sglang_gemma3_flashinfer_decode_sliding_layers_see_full_cache", False)
+    assert {f["code"] for f in found if f["severity"] == "wrong"} >= {"window-missing", "window-lost", "window-dropped"}
+    assert all("layer 0" in f["message"] for f in found if f["code"] == "window-missing")  # the sliding layer only
+    assert not any("layers.1" in f.get("source", "") for f in found)  # the full layer sees every key: right
+    # each decode call is one request: its query at the request's last position q, its keys 0 .. q, the first one
+    # outside the window (q - k >= 4) key 0, by a double loop over absolute positions
+    for hit in lost:
+        b, q, k = hit["cell"]
+        assert (b, q, k) == (0, q, first((1, q + 1, q + 1), lambda b_, q_, k_: q_ == q and q_ - k_ >= 4)[2])
+    assert {tuple(hit["cell"])[1] for hit in lost} <= {6, 7, 8, 9, 10, 11}  # the decode positions: 6 .. 8, 9 .. 11
+    assert all(hit["severity"] == "wrong" for hit in lost)
+
+
+def test_a_paged_decode_over_block_tables_that_masks_the_padding_only(tmp_path):
+    """The same bug written another way: a Mistral-style model (ModelArgs dataclass, every layer sliding) over a paged
+    cache; prefill through SDPA with a bool window mask per request, decode batched: each request's keys gathered by
+    its block table into a left-padded buffer, einsum("bhd,bnhd->bhn"), masked_fill of the padding only. Fix quiet."""
+    lost = check_bug(tmp_path, "paged_decode_block_table_window_dropped_left_padded", "window-lost", WINDOWS)
+    # decode step 1: requests of 8 and 11 keys left-padded to 11, the query at column 10; sliding_window = 5
+    start = [11 - 8, 0]
+    expected = first((2, 1, 11), lambda b, q, k: k >= start[b] and 10 - k >= 5)
+    assert tuple(lost[0]["cell"]) == (expected[0], 10, expected[2])
+
+
+def test_a_per_request_decode_that_gathers_its_window_stays_quiet(tmp_path):
+    """Correct: per-request decode over a pool, keys (H, n, D), einsum("hd,hnd->hn"); sliding layers gather from
+    seq_len - sliding_window on, full layers every key (a dict config with layer_types). Nothing to say."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "per_request_decode_window_start_index_quiet", False, WINDOWS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert "(1,3,1,3)" in report and "(1,3,1,11)" in report  # the decode calls were read: 3 keys sliding, all full

@@ -48,8 +48,10 @@ def _firsts(run: Run, top) -> dict:
 
 
 def _fresh(call) -> bool:
-    """Its keys are its own queries: no cache, nothing from an earlier call."""
-    return call.shape[2] == call.shape[3] and call.shape[2] > 0
+    """Its keys are its own queries: no cache, nothing from an earlier call. Not one query per head scored against keys
+    gathered for it (trace/headquery.py): as many keys as queries there says only how many it gathered (a reference
+    loop over each query's allowed keys, a paged decode), not that they are its own."""
+    return call.shape[2] == call.shape[3] and call.shape[2] > 0 and "head_query" not in call.details
 
 
 def restarted(run: Run) -> list:

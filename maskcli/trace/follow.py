@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+import maskcli.trace.headquery as headquery
 import maskcli.trace.keyrows as keyrows
 import maskcli.trace.masks as readers
 import maskcli.trace.overqueries as overqueries
@@ -197,6 +198,8 @@ class Follow:
             reader = as_matrix(reader, self.scores, args, kwargs)
             if reader is not readers.softmax and self.interfaces:  # (one piece of a Hugging Face attention
                 return _WHOLE  # function's call, a document or a head: its interface records the whole)
+        if reader is readers.softmax and self.scores.heads:  # (one query per head, an einsum's: trace/headquery.py)
+            reader = headquery.reader(reader, self.scores, args, kwargs, lambda: self.sites.stack)
         if reader is readers.softmax and isinstance(given, torch.Tensor) and given.dim() == 4 \
                 and given.shape[0] != given.shape[1] and self.scores.has(given):  # (H, B, Lq, Lk): layouts.heads_first
             reader = heads_first(reader, self.scores, args, kwargs, lambda: None if _transformers(self.sites.stack)

@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+import maskcli.trace.headquery as headquery
 from maskcli.trace.copiedfold import copied_fold
 from maskcli.trace.followed import operands_of
 from maskcli.trace.headadded import heads_apart
@@ -41,7 +42,7 @@ ADDEND_MOST = 1 << 22  # cells of an added mask read for 0s and 1s at most
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
 RESHAPES = {torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.flatten, torch.Tensor.flatten}
 CATS = {torch.cat, torch.concat, torch.concatenate}
-HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")  # a module's own head count
+HEADS, banded, stated_heads = headquery.HEADS, headquery.banded, headquery.stated_heads  # (a module's own head count)
 
 
 class Scores:
@@ -62,10 +63,13 @@ class Scores:
         self.shifted: dict[int, tuple] = {}  # id -> (a weak reference, rows filled whole) of scores less their row max
         self.regrouped = Pending()  # the last q @ kᵀ whose q or k was viewed with heads before positions (regrouped.py)
         self.keyrows: dict[int, object] = {}  # id -> one decode query's key fingerprint per row and key (keyrows.py)
+        self.heads: dict[int, int] = {}  # id -> scores of one query per head, made by an einsum (trace/headquery.py)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
         if not isinstance(out, torch.Tensor) or out.dim() < 3:
+            if func is torch.einsum and headquery.noted(self, args, out):  # (one query per head: trace/headquery.py)
+                return
             if func in PLAIN and per_graph(args):  # (one sequence's q @ kᵀ unbatched: a graph's nodes, q.mm(k.T))
                 self._note(out, matrix=True)
                 return
@@ -78,8 +82,10 @@ class Scores:
                 return  # folded to (B * Lq, Lk), filled in place, viewed back)
             if isinstance(out, torch.Tensor) and out.dim() == 2 and self._found and args and isinstance(args[0], torch.Tensor) \
                     and self.has(args[0]) and (_one_query(args[0], out) or args[0].shape == out.shape):
+                heads = self.heads.get(id(args[0])) if self.heads and args[0].shape == out.shape else None
                 self._note(out, matrix=id(args[0]) in self.matrices and args[0].shape == out.shape)  # (one decoder state against a memory, Luong's bmm(context, h[:, :, None]).squeeze(2),
                 # and what is computed from those (B, Lk) scores: its masked_fill, its scaling)
+                self.heads.update({} if heads is None else {id(out): heads})  # (one query per head: headquery.py)
             return
         if func in MATMULS:
             operands = operands_of(func, args)
@@ -110,6 +116,8 @@ class Scores:
                     axes = einsum_axes(args[0], out.dim())
                     if axes is not None:
                         self._note(out, axes)
+                    else:  # (one query per head against its keys, "bhd,bnhd->bhn": trace/headquery.py)
+                        headquery.noted(self, args, out)
             return
         if not self._found:
             return
@@ -149,7 +157,7 @@ class Scores:
                     if rows is not None:  # (a row filled whole, shifted by its max: read as no key, shifted.py)
                         self.shifted = {} if len(self.shifted) >= KEEP else self.shifted
                         self.shifted[id(out)] = (weakref.ref(out), rows)
-                    for facts in (self.sliced, self.keyrows) if axes is None else ():  # (kᵀ a cache's tail: sliced.py;
+                    for facts in (self.sliced, self.keyrows, self.heads) if axes is None else ():  # (kᵀ a cache's tail: sliced.py;
                         if facts and id(x) in facts:  # a decode query's keys per row: keyrows.py)
                             facts[id(out)] = facts[id(x)]
                     if func in ADDS and addend is None:
@@ -219,7 +227,7 @@ class Scores:
 
     def _note(self, tensor: torch.Tensor, axes: tuple | None = None, matrix: bool = False) -> None:
         found, laid, matrices = self._found, self.axes, self.matrices  # (one dict for the trace's life: the mode reads
-        per_id = (self.added, self.folds, self.weak, self.sliced, self.tiles, self.biased, self.keyrows)  # (facts by a tensor's id)
+        per_id = (self.added, self.folds, self.weak, self.sliced, self.tiles, self.biased, self.keyrows, self.heads)  # (facts by a tensor's id)
         if len(found) >= KEEP:  # it as "following")
             found.clear()
             laid.clear()
@@ -372,24 +380,3 @@ def _one_query(scores, out: torch.Tensor) -> bool:
     """`out` (B, Lk) is 3-D scores (B, Lk, 1) or (B, 1, Lk) with their one query's dimension dropped."""
     return isinstance(scores, torch.Tensor) and scores.dim() == 3 and 1 in scores.shape[1:] \
         and out.shape[0] == scores.shape[0] and out.shape[1] == scores.shape[1] * scores.shape[2]
-
-
-def banded(shape: tuple, stack: list) -> bool:
-    """A 4-D softmax (over scores no q @ kᵀ made: the caller asks) whose third axis is its module's own head count and
-    whose second is not: scores laid out (B, L, H, 2w + 1), each position's band of keys (Longformer's and LED's sliding
-    chunks, modeling_led.py LEDEncoderSelfAttention), not a (B, H, Lq, Lk) matrix; read as one, positions were taken for
-    heads and heads for queries. The innermost running module that states a head count decides."""
-    if len(shape) != 4:
-        return False
-    heads = stated_heads(stack)
-    return heads is not None and shape[2] == heads != shape[1]
-
-
-def stated_heads(stack: list, names: tuple = HEADS) -> int | None:
-    """The head count the innermost running module that states one holds (`names`), None where none does."""
-    for module in reversed(stack):
-        heads = next((value for value in map(lambda name: getattr(module, name, None), names)
-                      if isinstance(value, int) and not isinstance(value, bool)), None)
-        if heads is not None:
-            return heads
-    return None
