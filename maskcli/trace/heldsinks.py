@@ -28,15 +28,16 @@ FILL_AT_MOST = -1e4  # a float mask's value at most this masks its cell (masks._
 def held(stack: list, heads: int) -> tuple[object, str, torch.Tensor] | None:
     """(module, name, values) of the innermost running module that holds one learned logit per head under a sink's
     name, as a float tensor of `heads` values, not all 0; None where none does or its own flag turns them off."""
-    for module in reversed(stack[-INNERMOST:]):
+    for depth, module in enumerate(reversed(stack[-INNERMOST:])):
         own = vars(module)
         params, buffers = own.get("_parameters") or {}, own.get("_buffers") or {}
         for name in NAMES:
             value = params.get(name, buffers.get(name, own.get(name)))
             if value is None or not issubclass(type(value), torch.Tensor) or not value.is_floating_point():
                 continue
-            if any(own.get(flag) is False for flag in OFF) or value.numel() != heads or value.numel() < 1:
-                return None
+            if any(own.get(flag) is False for flag in OFF) or value.numel() != heads or value.numel() < 1 \
+                    or depth and _attentions(own.get("_modules") or {}) > 1:
+                return None  # (off; not one per head; or a block whose several attentions leave open whose sinks)
             values = value.detach().reshape(-1).float()
             if not bool(torch.isfinite(values).all()) or not bool((values != 0).any()):
                 return None  # (not loaded yet, or all 0: a 0 added to a key changes nothing)
@@ -44,7 +45,13 @@ def held(stack: list, heads: int) -> tuple[object, str, torch.Tensor] | None:
     return None
 
 
-def _dropped(mask, api: str, heads: int, varied: bool) -> str | None:
+def _attentions(children: dict) -> int:
+    """How many of a module's own children attend (nn.MultiheadAttention, or a class named ...Attention)."""
+    return sum(isinstance(c, torch.nn.MultiheadAttention) or type(c).__name__.endswith("Attention")
+               for c in children.values() if c is not None)
+
+
+def _dropped(mask, api: str, varied: bool) -> str | None:
     """How the kernel's `mask` holds no per-head logit, in words; None where it may hold one."""
     if mask is None:
         return "no attn_mask"
@@ -94,7 +101,7 @@ def note(details: dict, stack: list, api: str, shape: tuple, sources: tuple) -> 
     module, name, values = found
     varied = bool(values.max() != values.min())
     masks = [m for m in sources if issubclass(type(m), torch.Tensor)]  # (MHA's: attn_mask, key_padding_mask)
-    said = [_dropped(m, api, heads, varied) for m in masks] or [_dropped(None, api, heads, varied)]
+    said = [_dropped(m, api, varied) for m in masks] or [_dropped(None, api, varied)]
     if any(how is None for how in said):
         return
     how = said[0]
