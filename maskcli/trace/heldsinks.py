@@ -32,6 +32,8 @@ def held(stack: list, heads: int) -> tuple[object, str, torch.Tensor] | None:
         own = vars(module)
         params, buffers = own.get("_parameters") or {}, own.get("_buffers") or {}
         for name in NAMES:
+            if name not in params and name not in own and name not in buffers:
+                continue  # (every call's path: a few dict lookups a module)
             value = params.get(name, buffers.get(name, own.get(name)))
             if value is None or not issubclass(type(value), torch.Tensor) or not value.is_floating_point():
                 continue
