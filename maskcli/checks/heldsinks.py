@@ -36,8 +36,8 @@ def sinks_dropped(run: Run) -> list:
         values = ", ".join(f"{v:g}" for v in held["values"]) + (", ..." if held["heads"] > len(held["values"]) else "")
         q, k = held["query"], held["key"]
         found.append((call, Finding("sinks-dropped", (
-            f"{call.where or 'this call'}: its {held['module']} holds a learned sink logit per head "
-            f"(`{held['name']}`, {held['heads']} heads: {values}), but the {call.api} call it made was handed "
+            f"the {held['module']} module that made these calls holds a learned sink logit per head "
+            f"(`{held['name']}`, {held['heads']} heads: {values}), but its {call.api} call was handed "
             f"{held['mask']}, so no head's softmax has a term for it: batch row 0, query {q} attends over its keys "
             f"from key {k} with no sink beside them, as every row of the call does (the module's own sinks are dropped: "
             f"join them as a column of the scores, add sinks[h] to the logit of each sequence's first key, or use a "
