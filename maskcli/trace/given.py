@@ -26,6 +26,7 @@ import sys
 import numpy as np
 import torch
 
+import maskcli.trace.heldsinks as heldsinks
 from maskcli.trace.crossing import CONTEXT_MASKS
 from maskcli.trace.gathered import note as _gathered
 
@@ -39,6 +40,10 @@ def stored(trace, seen) -> str:
     """trace._store(seen) (its key), with seen.details["dropped_mask"] set where a mask the frames handed is dropped."""
     key = trace._store(seen)
     note(seen, trace, key, trace.__dict__.setdefault("_handed", {}))
+    try:  # (a learned sink the attending module holds, which the kernel's mask has no term for: trace/heldsinks.py)
+        heldsinks.note(seen.details, trace.sites.stack, seen.api, seen.shape, seen.sources)
+    except (Exception, SystemExit):  # noqa: BLE001 - a module maskcli cannot read: the call is recorded without this
+        pass
     return key
 
 
