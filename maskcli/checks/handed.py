@@ -57,7 +57,8 @@ def held_window(run: Run) -> list:
     found, done, kept, branches, branch = [], {}, set(), set(), {}
     for call in run.calls:
         held = call.details.get("window_handed")
-        if not held or len(held) != 4 or call.stored is None or call.details.get("slots") is not None:
+        if not held or len(held) != 4 or call.stored is None or call.details.get("slots") is not None \
+                or _gathered(call):
             continue
         name, left, right, where = held[0], int(held[1]), int(held[2]), held[3]
         top = run.top(call)
@@ -125,6 +126,15 @@ def held_window(run: Run) -> list:
              or ((call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept
                  and (branch[i][0] is None or branch[i] not in branches))]
     return found + _counted(run) + _counted_wide(run)
+
+
+def _gathered(call) -> bool:
+    """A call an einsum laid out (details["axes"]) whose head axis holds more planes than the heads its module states:
+    another axis is folded among the heads, the program's positions, whose keys it gathered per position (native
+    sparse attention's selected blocks, "bhgid,bhijd->bhgij": the 40 "heads" are 2 kv heads x 20 positions): its key
+    columns are slots, and its queries no positions."""
+    heads = call.details.get("stated_heads")
+    return "axes" in call.details and heads is not None and call.shape[1] > heads
 
 
 def _rows(call) -> tuple:
