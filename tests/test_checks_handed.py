@@ -154,9 +154,8 @@ def test_selected_blocks_gathered_per_position_are_another_branch(tmp_path):
     sliding_window_size = 3 over a left-padded batch, its selected blocks gathered the same way beside an SDPA sliding
     child: quiet; with --drop the child masks causality and the padding only, and the sliding call alone is
     window-dropped, its first cell against a double loop over absolute positions."""
-    blind = Path(__file__).parent / "data" / "blind"
     for fixed in (True, False):
-        status, found, report = traced(tmp_path, "nsa_interpolated_importance_score_selects_future_blocks", fixed, blind)
+        status, found, report = traced(tmp_path, "nsa_interpolated_importance_score_selects_future_blocks", fixed)
         assert [f for f in found if f["code"] == "window-dropped"] == [], report
     windows = Path(__file__).parent / "data" / "windows"
     name = "selected_blocks_gathered_beside_sliding_submodule"
