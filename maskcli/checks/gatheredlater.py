@@ -83,6 +83,8 @@ def outnumber(run: Run) -> list:
             continue
         other, mine = sibling
         length = other.shape[2]
+        if mine.shape[0] not in (1, batch):
+            continue
         planes = np.arange(n * r)
         position = planes % r if r == length else planes // r  # (the lead axis as long as the causal branch's queries)
         kept = np.broadcast_to(cells, call.shape).sum(axis=-1)  # (B, planes, queries): slots kept
@@ -94,7 +96,8 @@ def outnumber(run: Run) -> list:
         order = np.lexsort((np.nonzero(over)[1], position[np.nonzero(over)[1]], np.nonzero(over)[0]))
         b, plane, g = (int(x[order[0]]) for x in np.nonzero(over))
         p, count = int(position[plane]), int(kept[b, plane, g])
-        rows = int(len({(int(x), int(position[y])) for x, y in zip(*np.nonzero(over.any(axis=2)))}))
+        folded = over.any(axis=2).reshape(batch, n, r)  # (B, N, R): the queries over, per batch row and position
+        rows = int(folded.any(axis=1).sum() if r == length else folded.any(axis=2).sum())
         found.append((call, Finding("gathered-keys-outnumber-past", (
             f"{call.where} step {call.step} scores keys gathered per position ({call.shape[3]} slots a query, laid out "
             f"by its einsum: {n} x {r} planes, one per head group and position) beside a causal branch of the same run "
