@@ -145,6 +145,31 @@ def test_two_branches_in_one_run_the_window_claims_one(tmp_path):
     assert tuple(hits[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k <= q and q - k > 2 and q // 4 == k // 4)
 
 
+def test_selected_blocks_gathered_per_position_are_another_branch(tmp_path):
+    """lucidrains/native-sparse-attention-pytorch 36837b2 (written blind, batch blind-fv): SparseAttention holds
+    sliding_window_size = 4; its sliding branch is a LocalAttention child, its fine branch scores keys gathered per
+    position with einsum("bhgid,bhijd->bhgij") (read as 40 planes of 2 kv heads x 20 positions, 2 grouped-head
+    queries each, its columns slots). Both runs were flagged window-dropped on that branch: its columns are no
+    positions, and the layer's run keeps to the window in its child. Written otherwise: a layer holding
+    sliding_window_size = 3 over a left-padded batch, its selected blocks gathered the same way beside an SDPA sliding
+    child: quiet; with --drop the child masks causality and the padding only, and the sliding call alone is
+    window-dropped, its first cell against a double loop over absolute positions."""
+    for fixed in (True, False):
+        status, found, report = traced(tmp_path, "nsa_interpolated_importance_score_selects_future_blocks", fixed)
+        assert [f for f in found if f["code"] == "window-dropped"] == [], report
+    windows = Path(__file__).parent / "data" / "windows"
+    name = "selected_blocks_gathered_beside_sliding_submodule"
+    status, found, report = traced(tmp_path, name, False, windows)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [] and status == 0, report
+    status, found, report = traced(tmp_path, name, False, windows, ("--drop",))
+    hits = [f for f in found if f["code"] == "window-dropped"]
+    assert status == 1 and len(hits) == 1 and hits[0]["severity"] == "wrong", report
+    lengths = (12, 9)
+    real = lambda b, p: p >= 12 - lengths[b]  # noqa: E731 (left padding)
+    assert tuple(hits[0]["cell"]) == first((2, 12, 12), lambda b, q, k: real(b, q) and real(b, k) and q - k > 3)
+    assert "sliding_window_size = 3" in hits[0]["message"]
+
+
 def test_a_right_padded_prefill_that_holds_a_plain_int_window_and_masks_causality(tmp_path):
     """Written otherwise: `attend` holds sliding_window = 4 beside kv_len (the model keeps it as `self.w`, no config
     field), SDPA with a boolean mask over a right-padded batch (lengths 9 and 6); the prefill branch masks causality

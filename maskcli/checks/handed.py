@@ -57,7 +57,8 @@ def held_window(run: Run) -> list:
     found, done, kept, branches, branch = [], {}, set(), set(), {}
     for call in run.calls:
         held = call.details.get("window_handed")
-        if not held or len(held) != 4 or call.stored is None or call.details.get("slots") is not None:
+        if not held or len(held) != 4 or call.stored is None or call.details.get("slots") is not None \
+                or _gathered(call):
             continue
         name, left, right, where = held[0], int(held[1]), int(held[2]), held[3]
         top = run.top(call)
@@ -65,7 +66,7 @@ def held_window(run: Run) -> list:
         key = (call.where, call.mask, call.shape, tuple(own), tuple(held))
         if key in done:
             if done[key] is not None:  # (the same mask kept to the window: so does this call, in its run)
-                branches.add((call.where, call.details.get("window_frame"), tuple(held), done[key]))
+                branches.update(_branch(call, held, done[key]))
             continue
         done[key] = None
         cells = keep(call)
@@ -79,14 +80,15 @@ def held_window(run: Run) -> list:
         wide = has & (hi - lo + 1 > width)
         # where each query's newest key sits from its placing: the same in two calls of one run that attend the same
         # queries (each tile of a query-tiled kernel sees other keys)
-        ends = (call.shape[:3], tuple(np.where(has, keys[last] - own[None, :], -1 - len(keys)).ravel().tolist()))
+        ends = (call.shape[:3], tuple(np.where(has, keys[last] - own[None, :], -1 - len(keys)).ravel().tolist())) \
+            if "axes" not in call.details else _rows(call)
         said = f"{where} holds {name} = {_shown(name, left, right)} (a query at p sees keys {_reach(left, right)}" + \
             (" at most: some count the query in it)" if name == "sliding_window_size" else ")")
         expected = f"window({width})" if right == 0 else f"band({left + 1})"
         if not wide.any():
             done[key] = ends
             kept.add((call.step, call.shape[2:], tuple(held)))
-            branches.add((call.where, call.details.get("window_frame"), tuple(held), ends))
+            branches.update(_branch(call, held, ends))
             interior = has & (count == hi - lo + 1) & (lo > 0) & (hi < total[:, None] - 1)
             lengths = set(count[interior].tolist())
             # (sliding_window_size counts the query in LitGPT's and Keras-hub's, not SGLang's: only the span is sure)
@@ -108,7 +110,7 @@ def held_window(run: Run) -> list:
         # over positions, every query there: its newest key may be a later one, seen where the window is dropped)
         square = call.shape[2] == call.shape[3] and columns_are_positions(call, top)
         at = z if right == 0 and not square else int(own[q])
-        branch[len(found)] = (call.where, call.details.get("window_frame"), tuple(held), ends)
+        branch[len(found)] = (call.details.get("window_frame"), tuple(held), ends)
         found.append((call, Finding("window-dropped", (
             f"{said}, but query {at} of batch row {b} sees keys {a} .. {z}, a span of "
             f"{int(hi[b, q] - lo[b, q] + 1)} real keys where the window spans {width} ({int(wide.sum())} such rows; step {call.step}): the window "
@@ -116,13 +118,38 @@ def held_window(run: Run) -> list:
             expected=expected, source=where, cell=(b, at, a))))
     # a step at which another call held the same window keeps to it: the window is chosen per layer (Gemma 2's
     # alternating local and global layers, one attend() for both), not dropped on a path (the layer rules judge that);
-    # and a site whose one run of the function attending (trace/windows.py's window_frame) keeps to the window in
-    # another call over the same queries (each seeing the same newest key) attends them by two branches (native
-    # sparse attention's block-causal fine branch beside its sliding one): the window claims one branch, not every call
+    # and a run of the function attending, or of the module holding the window (trace/windows.py's window_frame), that
+    # keeps to the window in another call over the same queries (each seeing the same newest key; a call laid out by
+    # its einsum, the same count of rows) attends them by two branches (native sparse attention's block-causal or
+    # selected-block fine branch beside its sliding one): the window claims one branch, not every call
     found = [(call, f) for i, (call, f) in enumerate(found) if f.code != "window-dropped"
              or ((call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept
-                 and (branch[i][1] is None or branch[i] not in branches))]
+                 and (branch[i][0] is None or branch[i] not in branches))]
     return found + _counted(run) + _counted_wide(run)
+
+
+def _gathered(call) -> bool:
+    """A call an einsum laid out (details["axes"]) whose head axis holds more planes than the heads its module states:
+    another axis is folded among the heads, the program's positions, whose keys it gathered per position (native
+    sparse attention's selected blocks, "bhgid,bhijd->bhgij": the 40 "heads" are 2 kv heads x 20 positions): its key
+    columns are slots, and its queries no positions."""
+    heads = call.details.get("stated_heads")
+    return "axes" in call.details and heads is not None and call.shape[1] > heads
+
+
+def _rows(call) -> tuple:
+    """A call laid out by its einsum (trace/layouts.py's details["axes"]): its queries are the axis only the first
+    operand holds, and the program's positions may be folded among its heads ("bhgid,bhijd->bhgij", native sparse
+    attention's keys gathered per position: its queries are the grouped heads), so no newest key says where its
+    queries sit: the (batch row, head, query) rows it attends are only counted."""
+    return "rows", call.shape[0], call.shape[1] * call.shape[2]
+
+
+def _branch(call, held, ends) -> tuple:
+    """What a call keeping to the window in one run (window_frame) claims: its queries' newest keys, and its count of
+    rows (a laid-out call over the same rows is another branch of the same run)."""
+    frame = call.details.get("window_frame")
+    return (frame, tuple(held), ends), (frame, tuple(held), _rows(call))
 
 
 def _counted_wide(run: Run) -> list:

@@ -97,3 +97,5 @@ def bias_of(held: dict, has, x, call, seen) -> None:
     found = profile(addends, x.detach(), keep)
     if found is not None:
         call.details["position_bias"] = seen.details["position_bias"] = found
+        # (the addends' own shapes: which axis of the scores their planes broadcast onto, checks/biaswindows.py)
+        call.details["bias_shapes"] = seen.details["bias_shapes"] = [list(a.shape) for a in addends]

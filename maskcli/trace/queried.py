@@ -99,6 +99,8 @@ def note(details: dict, stack: list, api: str = "", shape: tuple | None = None, 
     (trace/builtflag.py)."""
     if api == "softmax" and (heads := stated_heads(stack, HEADS + ("heads", "n_local_heads"))) is not None:
         details["stated_heads"] = heads
+        if shape is not None and heads > 1 and int(shape[0]) % heads == 0 and int(shape[1]) > 1 and stack:
+            heads_folded(details, stack, shape, heads)
     own_heads(details, stack, api)  # (q or k laid (B, L, H, D): the head count its module states, trace/regrouped.py)
     if "held_padding" in details and stack:
         given = query_input(stack)
@@ -120,6 +122,15 @@ def note(details: dict, stack: list, api: str = "", shape: tuple | None = None, 
     query_groups(details, stack)  # (the query groups a module states it trains with: checks/querygroups.py)
     if "module_causal" in details and (built := built_not_causal(stack)) is not None:
         details["built_not_causal"] = built  # (the model built causal=False around it: checks/builtcausal.py)
+
+
+def heads_folded(details: dict, stack: list, shape: tuple, heads: int) -> None:
+    """details["heads_folded"] = (B, L): the layer's input (B, L, D) where the scores' first axis is B * heads, the
+    heads folded with the batch and the second axis something else (a blocked local attention's windows:
+    checks/biaswindows.py)."""
+    given = query_input(stack)
+    if given is not None and given[0] * heads == int(shape[0]):
+        details["heads_folded"] = list(given)
 
 
 # details that name this process's objects (a query tensor's serial, a count of a function's runs: windows.py): read by

@@ -89,7 +89,7 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None,
                 if name == "window_left" and said not in (None, NONE) and _right(attributes) is not None:
                     said = (said[0], _right(attributes))  # (its window_right beside it: a window both ways)
                 if said is not None:
-                    _invoked(frames, counted)
+                    _invoked(frames, counted, module)
                     return _result(name, said, f"self.{name} of {type(module).__name__}")
     if frames is None:
         frames = []
@@ -124,13 +124,19 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None,
     return _result(*found)
 
 
-def _invoked(frames: list | None, counted: dict | None) -> None:
+def _invoked(frames: list | None, counted: dict | None, holder=None) -> None:
     """Under "window_frame" of `counted`: the count of the innermost program frame's invocation, the same for every
     call made in one run of that function (checks/handed.py: a function attending the same queries twice, within the
-    window and past it, attends them by two branches)."""
+    window and past it, attends them by two branches). Where a module's attribute states the window (`holder`), the
+    run of that module's own forward among the frames, where it is one of them: the calls its submodules make are
+    its branches too (native sparse attention's sliding branch, a LocalAttention inside the module holding
+    `sliding_window_size`, beside the selected blocks it attends itself)."""
     if counted is None or not frames:
         return
     frame = frames[0][0]
+    if holder is not None:
+        code = getattr(getattr(type(holder), "forward", None), "__code__", None)
+        frame = next((f for f, _ in frames if f.f_code is code), frame)
     if frame is not _INVOKED[0]:
         _INVOKED[0] = frame
         _INVOKED[1] += 1
