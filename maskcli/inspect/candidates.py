@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 
 from maskcli.batchdata import pad_side, padding, with_padding
 from maskcli.errors import MaskError
 from maskcli.expression import And, Or
-from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
+from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew, same_each, stacked
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
 from maskcli.kinds.base import NOT_MADE, Kind, Profile, recognised
@@ -208,7 +209,7 @@ def table(listed: list[tuple[object, dict]], rows: Intervals | None = None, know
         for i, got in ((i, kept[i]) for i in members):
             if isinstance(got, MaskError):
                 found[i] = REFUSED
-            elif got is not None and got.shape[0] == 1:
+            elif got is not None and got.starts.shape[0] == 1:
                 found[i] = (frame, got, cut)
     return found
 
@@ -290,40 +291,13 @@ def matching(listed: list[tuple[object, dict]], shape: tuple[int, int], rows: In
     return verdicts
 
 
-def stacked(found: list[Intervals], q_len: int, k_len: int) -> Intervals:
-    """Intervals of one batch row each, over keys [0, k_len), as one (N, Lq, K): a batch row per one of them, each
-    padded with empty intervals [k_end, k_end) to the widest."""
-    width = max([item.starts.shape[-1] for item in found])
-    starts = np.full((len(found), q_len, width), k_len, dtype=np.int64)
-    ends = starts.copy()
-    for n, item in enumerate(found):
-        starts[n, :, : item.starts.shape[-1]] = item.starts[0]
-        ends[n, :, : item.ends.shape[-1]] = item.ends[0]
-    return Intervals(starts, ends, 0, k_len)
-
-
-def same_each(got: Intervals, want: Intervals) -> np.ndarray:
-    """Bool (N,): whether each batch row of `got` holds the cells of `want`'s one, counted per row (as many in each,
-    and all of them in both)."""
-    counts = want.counts()
-    same = (got.counts() == counts).all(axis=1)
-    chosen = np.flatnonzero(same)  # as many cells in each row: only these are intersected (few, often none)
-    if len(chosen):
-        alike = Intervals(got.starts[chosen], got.ends[chosen], got.k_start, got.k_end)
-        same[chosen] = ((alike & want).counts() == counts).all(axis=1)
-    return same
-
-
 def runs(keep: np.ndarray) -> Intervals | None:
     """A (Lq, Lk) keep matrix's cells as exact key intervals per query row (keys from 0), (1, Lq, K), in the normal
     form intervals.py keeps; None where a row has more runs than a few (then cells are compared)."""
-    frame = Frame(0, 1, 0, keep.shape[1])
-    frame.k_end  # noqa: B018 (read where the frame is made: cached for key_runs)
-    try:
-        rows = key_runs(keep, frame, "the tensor")  # each query row read as a batch row's
+    try:  # each query row read as a batch row's, keys 0..Lk (no Frame: only where the keys lie is read)
+        return key_runs(keep, SimpleNamespace(k_start=0, k_end=keep.shape[1]), "the tensor", queries=True)
     except NotFew:
         return None
-    return Intervals(rows.starts[None, :, 0], rows.ends[None, :, 0], rows.k_start, rows.k_end)
 
 
 def same_cells(got: Intervals, want: Intervals) -> bool:

@@ -20,8 +20,8 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.expression import parse
-from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, matching, placed_at, on_terms, profile, runs, same_cells, same_each, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
-from maskcli.intervals import Intervals, NotFew
+from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, matching, placed_at, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
+from maskcli.intervals import Intervals, NotFew, same_each
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds.padding import key_runs
 from maskcli.mask import Mask, MaskOptions
