@@ -112,6 +112,16 @@ def _where(frame: Frame) -> tuple[int, int, int, int]:
     return frame.q_start, frame.q_len, frame.k_start, frame.k_len
 
 
+def made_of(tree, place: tuple, known: dict | None) -> Intervals | None:
+    """The intervals `candidates` made of this very tree at `place` (`placed_at`'s (frame, key padding)) and kept in
+    `known`, where no key padding cuts them: the Mask of the one named takes them as they are (mask.from_terms)."""
+    frame, cut = place
+    if known is None or cut is not None or frame.key_valid is not None:
+        return None
+    made = known.get(("made", _where(frame)), {}).get(id(tree))
+    return made[1] if made is not None and made[0] is tree and isinstance(made[1], Intervals) else None
+
+
 def lacks_at(rows: Intervals | None, options: dict, uncut: bool, known: dict | None = None) -> frozenset[str]:
     """What the tensor lacks at the positions `options` give (`lacking`), where `table` would read it; none else."""
     place = placed_at(options, known) if rows is not None else None

@@ -20,7 +20,7 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.expression import parse
-from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, matching, placed_at, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
+from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, made_of, matching, placed_at, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
 from maskcli.intervals import Intervals, NotFew, same_each
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds.padding import key_runs
@@ -89,7 +89,7 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
     try:
         place = placed_at(options, known) if known is not None and not isinstance(expression, str) else None
         if place is not None and place != REFUSED:
-            built = from_terms(expression, place[0], options.get("heads", 1))
+            built = from_terms(expression, place[0], options.get("heads", 1), made=made_of(expression, place, known))
         else:
             built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
     except MaskError:
