@@ -331,16 +331,18 @@ def placed(resolved, options: MaskOptions, default_length: int | None = None) ->
 def placing(resolved, options: MaskOptions, default_length: int | None = None) -> tuple[Frame, tuple | None]:
     """placed's positions (and words) for the terms, with no Mask: the same positions make the same Mask."""
     lengths, ids = padding(options)
+    by_lengths = longest(lengths)  # (batchdata asked once here, and once for the side below)
     tokens = words(options.tokens) if options.tokens is not None else None
     leaves = terms.terms(resolved)  # once: each reading below walks them
     sequence = _sequence(leaves, ids, tokens)
     queries = [term.kind.queries(term.values) for term in leaves if term.kind.queries]
     q_start, q_len, k_start, k_len = pos.resolve(
         length=options.length, offset=options.offset, kv_start=options.kv_start, kv_len=options.kv_len,
-        align=options.align, sequence=sequence[0] if sequence else longest(lengths), queries=queries[0] if queries else None,
+        align=options.align, sequence=sequence[0] if sequence else by_lengths, queries=queries[0] if queries else None,
         default=default_length or pos.DEFAULT_LEN,
     )
-    frame = with_padding(Frame(q_start, q_len, k_start, k_len), lengths, ids, options.pad_id, pad_side(options))
+    frame, side = Frame(q_start, q_len, k_start, k_len), pad_side(options)
+    frame = with_padding(frame, lengths, ids, options.pad_id, side) if lengths is not None or ids is not None else frame
     for what, count in sequence:
         pos.data_length(what, count, frame)
     return frame, tokens
@@ -355,7 +357,7 @@ def from_terms(resolved, frame: Frame, heads: int = 1, tokens=None, made: Interv
     for term in leaves:
         if term.kind.check is not None:
             warnings += term.kind.check(term.values, frame, shortened(term.text(), 60)) or []
-    padded = frame.padded
+    padded = frame.key_valid is not None  # (frame.padded)
     batch = _batch(leaves, frame, padded)
     if heads != 1:  # (1 always is)
         pos.check_size(heads, "--heads", "the number of attention heads")

@@ -45,14 +45,22 @@ def bare(name: str) -> Term:
     return Term(get_kind(name), ())
 
 
-def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile:
-    """What the kinds read candidates from: first and last visible key per row, in absolute positions."""
+def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str, rows: Intervals | None = None) -> Profile:
+    """What the kinds read candidates from: first and last visible key per row, in absolute positions. `rows`: `ref`'s
+    runs where the caller has them (then read off them, O(L): a row's first run starts it, its last non-empty one
+    ends it; else off the cells)."""
     q_len, k_len = ref.shape
-    seen = ref.any(axis=1)  # argmax of the bool rows, not a min over an int64 copy of every cell (L^2 x 8 bytes)
+    if rows is not None:
+        starts, ends = rows.starts[0], rows.ends[0]  # (Lq, K), keys from 0, empty runs [Lk, Lk) last
+        seen = ends[:, 0] > starts[:, 0]
+        first, last = starts[:, 0], np.where(ends > starts, ends, 0).max(axis=1) - 1  # (an empty row: Lk and -1)
+    else:
+        seen = ref.any(axis=1)  # argmax of the bool rows, not a min over an int64 copy of every cell (L^2 x 8 bytes)
+        first, last = np.where(seen, ref.argmax(axis=1), k_len), np.where(seen, _last(ref), -1)
     return Profile(
         q=np.arange(q_start, q_start + q_len),
-        first=np.where(seen, ref.argmax(axis=1), k_len) + k_start,
-        last=np.where(seen, _last(ref), -1) + k_start,
+        first=first + k_start,
+        last=last + k_start,
         seen=seen,
         k_start=k_start,
         k_end=k_start + k_len,
@@ -131,14 +139,16 @@ def lacks_at(rows: Intervals | None, options: dict, uncut: bool, known: dict | N
 
 
 def placed_at(options: dict, known: dict | None):
-    """`placing(options)`, worked out once per recognition: `known` is a dict its caller keeps for one tensor (the
-    candidates' reading, the table, the composites and the Mask of the one named all read the same placements)."""
+    """`placing(options)`, worked out once per tensor: `known` is a dict its caller keeps for one recognition (the
+    candidates' reading, the table, the composites and the Mask of the one named all read the same placements), and
+    its "places" may be shared by the readings of one tensor (`structure.readings`: the same options, the same Frame)."""
     if known is None:
         return placing(options)
+    places = known.setdefault("places", {})
     key = tuple(sorted(options.items()))
-    if key not in known:
-        known[key] = placing(options)
-    return known[key]
+    if key not in places:
+        places[key] = placing(options)
+    return places[key]
 
 
 def _lacking_once(rows: Intervals, frame: Frame, uncut: bool, options: dict, known: dict | None) -> frozenset[str]:

@@ -183,14 +183,15 @@ def closest(keep: np.ndarray, listed: list[tuple[str, object, dict]]) -> dict | 
 def readings(ones: np.ndarray, key_padding: bool = False) -> list[tuple[str, Structure, bool]]:
     """A bool tensor read both ways round, for polarity to score (one call, not one per reading): for True = attend
     and True = masked, (that meaning, the Structure that rebuilds it read so, whether some query then sees no key)."""
-    found = []
+    found, places = [], {}  # (the placements' Frames, made once for both readings)
     for meaning, keep in (("attend", ones), ("masked", ~ones)):
-        found.append((meaning, recognise(keep, key_padding=key_padding, marked=meaning), bool(fully_masked_rows(keep).any())))
+        found.append((meaning, recognise(keep, key_padding=key_padding, marked=meaning, places=places),
+                      bool(fully_masked_rows(keep).any())))
     return found
 
 
 def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "attend", nearest: bool = False,
-              q_start: int | None = None, padding: dict | None = None) -> Structure:
+              q_start: int | None = None, padding: dict | None = None, places: dict | None = None) -> Structure:
     """The expression (and options) whose mask is exactly this keep mask (B, H, Lq, Lk), or expression None.
 
     The queries are taken to sit at the end of the keys (bottom-right, as a cache puts them).
@@ -202,6 +203,7 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     written lie after the queries): that placement is tried first.
     `padding`: the key padding the call's own key-padding argument gave (maskcli.keypadding fields; {} for none),
     where it had one: then that is the padding, not keys that no query sees (an inverted mask's first key).
+    `places`: the placements another reading of the same tensor worked out (candidates.placed_at), shared.
     """
     batch, heads, q_len, k_len = keep4.shape
     if heads > 1 and not bool((keep4 == keep4[:, :1]).all()):
@@ -225,7 +227,8 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     head_option = {"heads": heads} if heads > 1 else {}
     keep = keep4[:, :1]
     seen = keep[:, 0].any(axis=1)  # (B, Lk): keys that some query sees
-    ref = keep[int(seen.sum(axis=1).argmax()), 0]  # the batch row with the most keys in use
+    chosen = int(seen.sum(axis=1).argmax())
+    ref = keep[chosen, 0]  # the batch row with the most keys in use
     at_end = k_len - q_len
     base = {"length": q_len, **({"offset": at_end} if at_end else {})}
     placements = [(base, at_end)] + ([({"length": q_len, "kv_len": k_len}, 0)] if at_end else [])
@@ -282,10 +285,10 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         alone = found("padding", bare("padding"), {**base, **padding})  # (not sink(n) or prefix(n), the same cells by chance)
         if alone is not None:
             return alone
-    rows_read = profile(ref, 0, 0, marked)  # once: each placement, and the composites, read it
+    rows_read = profile(ref, 0, 0, marked, rows if chosen == 0 else None)  # once: each placement, and the composites, read it
     # once: the placements read the same with and without the padding (so only what padding cannot cut rules a kind
     # out); every kind's where the closest is asked for (it may be a kind the tensor rules out)
-    known: dict = {}  # each placement's positions and what the tensor lacks there, worked out once (placed_at)
+    known: dict = {} if places is None else {"places": places}  # each placement's positions and what the tensor lacks there, worked out once (placed_at)
     read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None, known=known,
                       made=rows)  # each candidate's intervals made as it is read, for `first`'s table
     for extra in [{}] if padding is None else [{}, padding]:
