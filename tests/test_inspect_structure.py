@@ -230,3 +230,34 @@ def test_a_single_query_over_several_identical_heads_is_read_as_its_key_padding(
             assert bool(cells[b, 0, -1, k]) == (k < lengths[b])
     keep[0, 1, :, 7] = False
     assert recognise(keep).expression is None
+
+
+def test_a_recognised_term_of_whole_numbers_and_choices_prints_as_it_parses():
+    """structure._parsed_alike does not parse such a term's text again: every recognised kind's, at values across
+    each parameter's range (its least, small ones, the largest allowed), each choice, labels left at None."""
+    import itertools
+
+    from maskcli.expression import parse
+    from maskcli.kinds.base import REQUIRED
+    from maskcli.terms import Term, resolve
+
+    checked = 0
+    for kind in all_kinds():
+        if kind.recognise is None:
+            continue
+        ranges = []
+        for param in kind.params:
+            if param.type == "int":
+                low = -5 if param.minimum is None else param.minimum
+                ranges.append([low, low + 1, 3, 7, 128, 1 << 40] + ([-(1 << 40), -1, 0] if param.minimum is None else []))
+            elif param.type == "choice":
+                ranges.append(list(param.choices))
+            else:
+                ranges.append([None] if param.default is not REQUIRED else [])
+        for values in itertools.product(*ranges):
+            term = Term(kind, tuple((p.name, p.check(v, kind.name) if p.type != "labels" else v) for p, v in zip(kind.params, values)))
+            text = term.text()
+            again, _ = resolve(parse(text), {}, text)
+            assert again == term and again.text() == text, text
+            checked += 1
+    assert checked > 50
