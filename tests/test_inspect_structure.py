@@ -261,3 +261,28 @@ def test_a_recognised_term_of_whole_numbers_and_choices_prints_as_it_parses():
             assert again == term and again.text() == text, text
             checked += 1
     assert checked > 50
+
+
+def test_a_term_that_fixes_no_length_is_placed_alike_without_len_only_at_the_default_length():
+    """structure._placed_alike answers a term whose kind fixes no length without placing it again: as mask.placing
+    places it without --len (and with --heads alone)."""
+    from maskcli.inspect.structure import _placed_alike
+    from maskcli.mask import placing
+    from maskcli.terms import Term
+
+    for kind in all_kinds():
+        if kind.recognise is None or any(p.type == "labels" and p.default is not None for p in kind.params):
+            continue
+        term = Term(kind, tuple((p.name, p.default if p.type != "int" else max(p.minimum or 0, 1)) for p in kind.params))
+        for q_len, heads in ((3, {}), (8, {}), (8, {"heads": 2}), (9, {})):
+            try:
+                built = placed(term, MaskOptions(length=q_len, **heads))
+            except MaskError:
+                continue
+            try:
+                frame = placing(term, MaskOptions(**heads))[0]
+                alike = (frame.q_start, frame.q_len, frame.k_start, frame.k_len) == (
+                    built.frame.q_start, built.frame.q_len, built.frame.k_start, built.frame.k_len)
+            except MaskError:
+                alike = False
+            assert _placed_alike(term, heads, built) == alike, (term.text(), q_len)

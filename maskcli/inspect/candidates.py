@@ -226,6 +226,8 @@ def table(listed: list[tuple[object, dict]], rows: Intervals | None = None, know
                 if made is not None and id(listed[i][0]) in made and made[id(listed[i][0])][0] is listed[i][0]}
         todo = [i for i in members if i not in kept]  # (`candidates` made the rest, at these positions)
         kept.update(zip(todo, placed_each([listed[i][0] for i in todo], frame)) if todo else ())
+        if todo and known is not None and frame.key_valid is None:  # kept too: the Mask of the one named takes them
+            known.setdefault(("made", _where(frame)), {}).update((id(listed[i][0]), (listed[i][0], kept[i])) for i in todo)
         for i, got in ((i, kept[i]) for i in members):
             if isinstance(got, MaskError):
                 found[i] = REFUSED

@@ -29,6 +29,7 @@ from maskcli.mask import build as build_mask
 from maskcli.mask import from_terms
 from maskcli.mask import placed as _placed
 from maskcli.mask import placing as _placing
+from maskcli.positions import DEFAULT_LEN
 from maskcli.kinds.values import Labels
 from maskcli.terms import Term, resolve
 from maskcli.text import shell_quote
@@ -124,12 +125,16 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
 
 def _placed_alike(tree, options: dict, built: Mask) -> bool:
     """Whether `tree` with `options` is placed where `built` is (mask.placing: the same positions make the same
-    Mask of the same terms), with no second Mask."""
+    Mask of the same terms), with no second Mask. A term whose kind fixes no length (no labels, no draft tree) with
+    no key padding given: nothing but --len says how many queries, so without it placing gives the default length."""
+    f = built.frame
+    if isinstance(tree, Term) and set(options) <= {"heads"} and tree.kind.queries is None and (
+            tree.kind.sequence is None or tree.kind.sequence(tree.values) is None):
+        return (f.q_start, f.q_len, f.k_start, f.k_len) == (0, DEFAULT_LEN, 0, DEFAULT_LEN)
     try:
         frame = _placing(tree, MaskOptions(**options))[0]
     except MaskError:
         return False
-    f = built.frame
     return (frame.q_start, frame.q_len, frame.k_start, frame.k_len) == (f.q_start, f.q_len, f.k_start, f.k_len)
 
 
