@@ -24,13 +24,13 @@ from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, la
 from maskcli.intervals import Intervals, NotFew, same_each
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds.padding import key_runs
+from maskcli.kinds.values import Labels
 from maskcli.mask import Mask, MaskOptions
 from maskcli.mask import build as build_mask
 from maskcli.mask import from_terms
 from maskcli.mask import placed as _placed
 from maskcli.mask import placing as _placing
 from maskcli.positions import DEFAULT_LEN
-from maskcli.kinds.values import Labels
 from maskcli.terms import Term, resolve
 from maskcli.text import shell_quote
 
