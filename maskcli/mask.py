@@ -76,7 +76,7 @@ class Mask:
     keep: np.ndarray | None = None  # a tensor's cells, bool (B, H, Lq, Lk)
     warnings: tuple[str, ...] = ()
     whole: Frame | None = None  # where `frame` is a region (--rows/--keys): the frame the kinds were built on
-    made: Intervals | None = None  # the tree's intervals at `frame`, where its maker had them (a recognised candidate)
+    made: tuple | None = None  # (frame, tree, their intervals) where its maker had them (a recognised candidate)
 
     def crop(self, rows: tuple[int | None, int | None] = (None, None), keys: tuple[int | None, int | None] = (None, None)) -> Mask:
         """A view of queries rows[0]..rows[1]-1 and keys keys[0]..keys[1]-1 (absolute positions; None: to the
@@ -140,8 +140,8 @@ class Mask:
     def _intervals(self):
         if self.tree is None:
             return None, "a tensor's cells are read as they are"
-        if self.made is not None and self.whole is None:
-            return self.made, None
+        if self.made is not None and self.made[0] is self.frame and self.made[1] is self.tree and self.whole is None:
+            return self.made[2], None  # (a Mask replaced with another frame or tree makes its own)
         # a few int64 arrays of (B, Lq, K) live at once while intervals combine; checked before labels from
         # sizes are made (kinds.base.Labels), so a 10^9-token document is refused here in O(1)
         sized = any(term.kind.sequence is not None for term in terms.terms(self.tree))
@@ -349,9 +349,8 @@ def placing(resolved, options: MaskOptions, default_length: int | None = None) -
 
 
 def from_terms(resolved, frame: Frame, heads: int = 1, tokens=None, made: Intervals | None = None) -> Mask:
-    """The Mask of terms bound to their kinds at `frame`'s positions: build's, and a source's that knows its kinds
-    with no text to parse (serve's requests). The name is made from the terms, to be shown. `made`: the terms'
-    intervals at `frame`, where the caller has them as they were made (recognition's), kept unless padding cuts them."""
+    """The Mask of terms bound to their kinds at `frame`'s positions: build's, and a source's that knows its kinds with no text to
+    parse (serve's requests). The name is made from the terms, to be shown. `made`: their intervals at `frame` as the caller made them."""
     warnings: list[str] = []
     leaves, text = terms.terms(resolved), terms.text(resolved)
     for term in leaves:
@@ -363,7 +362,8 @@ def from_terms(resolved, frame: Frame, heads: int = 1, tokens=None, made: Interv
         pos.check_size(heads, "--heads", "the number of attention heads")
     padding = terms.Term(get_kind("padding"), ()) if padded else None
     tree = ex.both(resolved, padding) if padded and resolved != padding else resolved  # padding cuts every mask
-    return Mask(text, frame, batch, heads, tree, resolved, tokens, None, tuple(warnings), made=None if padded else made)
+    made = None if padded or made is None else (frame, tree, made)  # (kept with what it was made of)
+    return Mask(text, frame, batch, heads, tree, resolved, tokens, None, tuple(warnings), made=made)
 
 
 def _sequence(leaves, ids, tokens) -> list[tuple[str, int]]:
