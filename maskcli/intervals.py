@@ -198,6 +198,30 @@ class Intervals:
         return touched, ~joined
 
 
+def stacked(found: list[Intervals], q_len: int, k_len: int) -> Intervals:
+    """Intervals of one batch row each, over keys [0, k_len), as one (N, Lq, K): a batch row per one of them, each
+    padded with empty intervals [k_end, k_end) to the widest."""
+    width = max([item.starts.shape[-1] for item in found])
+    starts = np.full((len(found), q_len, width), k_len, dtype=np.int64)
+    ends = starts.copy()
+    for n, item in enumerate(found):
+        starts[n, :, : item.starts.shape[-1]] = item.starts[0]
+        ends[n, :, : item.ends.shape[-1]] = item.ends[0]
+    return Intervals(starts, ends, 0, k_len)
+
+
+def same_each(got: Intervals, want: Intervals) -> np.ndarray:
+    """Bool (N,): whether each batch row of `got` holds the cells of `want`'s one, counted per row (as many in each,
+    and all of them in both)."""
+    counts = want.counts()
+    same = (got.counts() == counts).all(axis=1)
+    chosen = np.flatnonzero(same)  # as many cells in each row: only these are intersected (few, often none)
+    if len(chosen):
+        alike = Intervals(got.starts[chosen], got.ends[chosen], got.k_start, got.k_end)
+        same[chosen] = ((alike & want).counts() == counts).all(axis=1)
+    return same
+
+
 def ordered(intervals: Intervals, n: int) -> np.ndarray:
     """int32 (rows, n), or (B, rows, n) for B > 1 batch rows: per row, the indices inside the intervals ascending, then the others ascending.
 

@@ -76,6 +76,7 @@ class Mask:
     keep: np.ndarray | None = None  # a tensor's cells, bool (B, H, Lq, Lk)
     warnings: tuple[str, ...] = ()
     whole: Frame | None = None  # where `frame` is a region (--rows/--keys): the frame the kinds were built on
+    made: tuple | None = None  # (frame, tree, their intervals) where its maker had them (a recognised candidate)
 
     def crop(self, rows: tuple[int | None, int | None] = (None, None), keys: tuple[int | None, int | None] = (None, None)) -> Mask:
         """A view of queries rows[0]..rows[1]-1 and keys keys[0]..keys[1]-1 (absolute positions; None: to the
@@ -139,6 +140,8 @@ class Mask:
     def _intervals(self):
         if self.tree is None:
             return None, "a tensor's cells are read as they are"
+        if self.made is not None and self.made[0] is self.frame and self.made[1] is self.tree and self.whole is None:
+            return self.made[2], None  # (a Mask replaced with another frame or tree makes its own)
         # a few int64 arrays of (B, Lq, K) live at once while intervals combine; checked before labels from
         # sizes are made (kinds.base.Labels), so a 10^9-token document is refused here in O(1)
         sized = any(term.kind.sequence is not None for term in terms.terms(self.tree))
@@ -279,15 +282,8 @@ class Mask:
         """What names and places the mask, JSON-ready (no cells)."""
         kinds = [term.json() for term in terms.terms(self.expression)] if self.expression is not None else []
         single = kinds[0] if len(kinds) == 1 and not isinstance(self.expression, (ex.Not,)) else None
-        data = {
-            "expression": self.text,
-            "kind": single["kind"] if single else None,
-            "params": single["params"] if single else {},
-            "kinds": kinds,
-            "shape": list(self.shape),
-            "q_offset": self.frame.q_start,
-            "kv_offset": self.frame.k_start,
-        }
+        data = {"expression": self.text, "kind": single["kind"] if single else None, "params": single["params"] if single else {},
+                "kinds": kinds, "shape": list(self.shape), "q_offset": self.frame.q_start, "kv_offset": self.frame.k_start}
         f = self.frame
         if self.whole is not None:
             data["region"] = {"rows": [f.q_start, f.q_end], "keys": [f.k_start, f.k_end],
@@ -335,34 +331,39 @@ def placed(resolved, options: MaskOptions, default_length: int | None = None) ->
 def placing(resolved, options: MaskOptions, default_length: int | None = None) -> tuple[Frame, tuple | None]:
     """placed's positions (and words) for the terms, with no Mask: the same positions make the same Mask."""
     lengths, ids = padding(options)
+    by_lengths = longest(lengths)  # (batchdata asked once here, and once for the side below)
     tokens = words(options.tokens) if options.tokens is not None else None
     leaves = terms.terms(resolved)  # once: each reading below walks them
     sequence = _sequence(leaves, ids, tokens)
     queries = [term.kind.queries(term.values) for term in leaves if term.kind.queries]
     q_start, q_len, k_start, k_len = pos.resolve(
         length=options.length, offset=options.offset, kv_start=options.kv_start, kv_len=options.kv_len,
-        align=options.align, sequence=sequence[0] if sequence else longest(lengths), queries=queries[0] if queries else None,
+        align=options.align, sequence=sequence[0] if sequence else by_lengths, queries=queries[0] if queries else None,
         default=default_length or pos.DEFAULT_LEN,
     )
-    frame = with_padding(Frame(q_start, q_len, k_start, k_len), lengths, ids, options.pad_id, pad_side(options))
+    frame, side = Frame(q_start, q_len, k_start, k_len), pad_side(options)
+    frame = with_padding(frame, lengths, ids, options.pad_id, side) if lengths is not None or ids is not None else frame
     for what, count in sequence:
         pos.data_length(what, count, frame)
     return frame, tokens
 
 
-def from_terms(resolved, frame: Frame, heads: int = 1, tokens=None) -> Mask:
-    """The Mask of terms bound to their kinds at `frame`'s positions: build's, and a source's that knows its kinds
-    with no text to parse (serve's requests). The name is made from the terms, to be shown."""
+def from_terms(resolved, frame: Frame, heads: int = 1, tokens=None, made: Intervals | None = None) -> Mask:
+    """The Mask of terms bound to their kinds at `frame`'s positions: build's, and a source's that knows its kinds with no text to
+    parse (serve's requests). The name is made from the terms, to be shown. `made`: their intervals at `frame` as the caller made them."""
     warnings: list[str] = []
-    leaves = terms.terms(resolved)
+    leaves, text = terms.terms(resolved), terms.text(resolved)
     for term in leaves:
         if term.kind.check is not None:
             warnings += term.kind.check(term.values, frame, shortened(term.text(), 60)) or []
-    batch = _batch(leaves, frame)
-    pos.check_size(heads, "--heads", "the number of attention heads")
-    padding = terms.Term(get_kind("padding"), ())
-    tree = ex.both(resolved, padding) if frame.padded and resolved != padding else resolved  # padding cuts every mask
-    return Mask(terms.text(resolved), frame, batch, heads, tree, resolved, tokens, None, tuple(warnings))
+    padded = frame.key_valid is not None  # (frame.padded)
+    batch = _batch(leaves, frame, padded)
+    if heads != 1:  # (1 always is)
+        pos.check_size(heads, "--heads", "the number of attention heads")
+    padding = terms.Term(get_kind("padding"), ()) if padded else None
+    tree = ex.both(resolved, padding) if padded and resolved != padding else resolved  # padding cuts every mask
+    made = None if padded or made is None else (frame, tree, made)  # (kept with what it was made of)
+    return Mask(text, frame, batch, heads, tree, resolved, tokens, None, tuple(warnings), made=made)
 
 
 def _sequence(leaves, ids, tokens) -> list[tuple[str, int]]:
@@ -379,9 +380,9 @@ def _sequence(leaves, ids, tokens) -> list[tuple[str, int]]:
     return found
 
 
-def _batch(leaves, frame: Frame) -> int:
+def _batch(leaves, frame: Frame, padded: bool) -> int:
     """The batch size that the padding rows and the labels' rows (of the tree's terms) agree on (each 1 or the same B)."""
-    sources = [("--lengths/--ids", frame.batch)] if frame.padded else []
+    sources = [("--lengths/--ids", frame.batch)] if padded else []
     for term in leaves:
         for name, value in term.params:
             if isinstance(value, Labels) and value.rows > 1:

@@ -272,7 +272,7 @@ def intervals(tree, frame: Frame) -> Intervals:
     """Per-row key intervals of the whole tree (may raise intervals.NotFew), repeated terms folded first
     (expression.simplified): each pass of a term is over every query row."""
     if isinstance(tree, Term):  # one term: nothing to fold
-        return tree.kind.intervals(tree.values, frame)
+        return _made(tree.kind.intervals(tree.values, frame), frame)
     return _intervals(folded(tree), frame)
 
 
@@ -317,7 +317,12 @@ def _intervals(tree, frame: Frame) -> Intervals:
         return functools.reduce(lambda a, b: a | b, (_intervals(item, frame) for item in tree.items))
     if isinstance(tree, ex.Not):
         return ~_intervals(tree.item, frame)
-    return tree.kind.intervals(tree.values, frame)
+    return _made(tree.kind.intervals(tree.values, frame), frame)
+
+
+def _made(found, frame: Frame) -> Intervals:
+    """A kind's intervals: as it made them, or its bounds (starts, ends) normalised on the frame's keys."""
+    return found if isinstance(found, Intervals) else Intervals.of(*found, frame.k_start, frame.k_end)
 
 
 def predicate(tree, frame: Frame, device):

@@ -230,3 +230,59 @@ def test_a_single_query_over_several_identical_heads_is_read_as_its_key_padding(
             assert bool(cells[b, 0, -1, k]) == (k < lengths[b])
     keep[0, 1, :, 7] = False
     assert recognise(keep).expression is None
+
+
+def test_a_recognised_term_of_whole_numbers_and_choices_prints_as_it_parses():
+    """structure._parsed_alike does not parse such a term's text again: every recognised kind's, at values across
+    each parameter's range (its least, small ones, the largest allowed), each choice, labels left at None."""
+    import itertools
+
+    from maskcli.expression import parse
+    from maskcli.kinds.base import REQUIRED
+    from maskcli.terms import Term, resolve
+
+    checked = 0
+    for kind in all_kinds():
+        if kind.recognise is None:
+            continue
+        ranges = []
+        for param in kind.params:
+            if param.type == "int":
+                low = -5 if param.minimum is None else param.minimum
+                ranges.append([low, low + 1, 3, 7, 128, 1 << 40] + ([-(1 << 40), -1, 0] if param.minimum is None else []))
+            elif param.type == "choice":
+                ranges.append(list(param.choices))
+            else:
+                ranges.append([None] if param.default is not REQUIRED else [])
+        for values in itertools.product(*ranges):
+            term = Term(kind, tuple((p.name, p.check(v, kind.name) if p.type != "labels" else v) for p, v in zip(kind.params, values)))
+            text = term.text()
+            again, _ = resolve(parse(text), {}, text)
+            assert again == term and again.text() == text, text
+            checked += 1
+    assert checked > 50
+
+
+def test_a_term_that_fixes_no_length_is_placed_alike_without_len_only_at_the_default_length():
+    """structure._placed_alike answers a term whose kind fixes no length without placing it again: as mask.placing
+    places it without --len (and with --heads alone)."""
+    from maskcli.inspect.structure import _placed_alike
+    from maskcli.mask import placing
+    from maskcli.terms import Term
+
+    for kind in all_kinds():
+        if kind.recognise is None or any(p.type == "labels" and p.default is not None for p in kind.params):
+            continue
+        term = Term(kind, tuple((p.name, p.default if p.type != "int" else max(p.minimum or 0, 1)) for p in kind.params))
+        for q_len, heads in ((3, {}), (8, {}), (8, {"heads": 2}), (9, {})):
+            try:
+                built = placed(term, MaskOptions(length=q_len, **heads))
+            except MaskError:
+                continue
+            try:
+                frame = placing(term, MaskOptions(**heads))[0]
+                alike = (frame.q_start, frame.q_len, frame.k_start, frame.k_len) == (
+                    built.frame.q_start, built.frame.q_len, built.frame.k_start, built.frame.k_len)
+            except MaskError:
+                alike = False
+            assert _placed_alike(term, heads, built) == alike, (term.text(), q_len)

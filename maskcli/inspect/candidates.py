@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 
 from maskcli.batchdata import pad_side, padding, with_padding
 from maskcli.errors import MaskError
 from maskcli.expression import And, Or
-from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
+from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew, same_each, stacked
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
 from maskcli.kinds.base import NOT_MADE, Kind, Profile, recognised
@@ -44,14 +45,22 @@ def bare(name: str) -> Term:
     return Term(get_kind(name), ())
 
 
-def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile:
-    """What the kinds read candidates from: first and last visible key per row, in absolute positions."""
+def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str, rows: Intervals | None = None) -> Profile:
+    """What the kinds read candidates from: first and last visible key per row, in absolute positions. `rows`: `ref`'s
+    runs where the caller has them (then read off them, O(L): a row's first run starts it, its last non-empty one
+    ends it; else off the cells)."""
     q_len, k_len = ref.shape
-    seen = ref.any(axis=1)  # argmax of the bool rows, not a min over an int64 copy of every cell (L^2 x 8 bytes)
+    if rows is not None:
+        starts, ends = rows.starts[0], rows.ends[0]  # (Lq, K), keys from 0, empty runs [Lk, Lk) last
+        seen = ends[:, 0] > starts[:, 0]
+        first, last = starts[:, 0], np.where(ends > starts, ends, 0).max(axis=1) - 1  # (an empty row: Lk and -1)
+    else:
+        seen = ref.any(axis=1)  # argmax of the bool rows, not a min over an int64 copy of every cell (L^2 x 8 bytes)
+        first, last = np.where(seen, ref.argmax(axis=1), k_len), np.where(seen, _last(ref), -1)
     return Profile(
         q=np.arange(q_start, q_start + q_len),
-        first=np.where(seen, ref.argmax(axis=1), k_len) + k_start,
-        last=np.where(seen, _last(ref), -1) + k_start,
+        first=first + k_start,
+        last=last + k_start,
         seen=seen,
         k_start=k_start,
         k_end=k_start + k_len,
@@ -111,6 +120,16 @@ def _where(frame: Frame) -> tuple[int, int, int, int]:
     return frame.q_start, frame.q_len, frame.k_start, frame.k_len
 
 
+def made_of(tree, place: tuple, known: dict | None) -> Intervals | None:
+    """The intervals `candidates` made of this very tree at `place` (`placed_at`'s (frame, key padding)) and kept in
+    `known`, where no key padding cuts them: the Mask of the one named takes them as they are (mask.from_terms)."""
+    frame, cut = place
+    if known is None or cut is not None or frame.key_valid is not None:
+        return None
+    made = known.get(("made", _where(frame)), {}).get(id(tree))
+    return made[1] if made is not None and made[0] is tree and isinstance(made[1], Intervals) else None
+
+
 def lacks_at(rows: Intervals | None, options: dict, uncut: bool, known: dict | None = None) -> frozenset[str]:
     """What the tensor lacks at the positions `options` give (`lacking`), where `table` would read it; none else."""
     place = placed_at(options, known) if rows is not None else None
@@ -120,14 +139,16 @@ def lacks_at(rows: Intervals | None, options: dict, uncut: bool, known: dict | N
 
 
 def placed_at(options: dict, known: dict | None):
-    """`placing(options)`, worked out once per recognition: `known` is a dict its caller keeps for one tensor (the
-    candidates' reading, the table, the composites and the Mask of the one named all read the same placements)."""
+    """`placing(options)`, worked out once per tensor: `known` is a dict its caller keeps for one recognition (the
+    candidates' reading, the table, the composites and the Mask of the one named all read the same placements), and
+    its "places" may be shared by the readings of one tensor (`structure.readings`: the same options, the same Frame)."""
     if known is None:
         return placing(options)
+    places = known.setdefault("places", {})
     key = tuple(sorted(options.items()))
-    if key not in known:
-        known[key] = placing(options)
-    return known[key]
+    if key not in places:
+        places[key] = placing(options)
+    return places[key]
 
 
 def _lacking_once(rows: Intervals, frame: Frame, uncut: bool, options: dict, known: dict | None) -> frozenset[str]:
@@ -205,10 +226,12 @@ def table(listed: list[tuple[object, dict]], rows: Intervals | None = None, know
                 if made is not None and id(listed[i][0]) in made and made[id(listed[i][0])][0] is listed[i][0]}
         todo = [i for i in members if i not in kept]  # (`candidates` made the rest, at these positions)
         kept.update(zip(todo, placed_each([listed[i][0] for i in todo], frame)) if todo else ())
+        if todo and known is not None and frame.key_valid is None:  # kept too: the Mask of the one named takes them
+            known.setdefault(("made", _where(frame)), {}).update((id(listed[i][0]), (listed[i][0], kept[i])) for i in todo)
         for i, got in ((i, kept[i]) for i in members):
             if isinstance(got, MaskError):
                 found[i] = REFUSED
-            elif got is not None and got.shape[0] == 1:
+            elif got is not None and got.starts.shape[0] == 1:
                 found[i] = (frame, got, cut)
     return found
 
@@ -290,40 +313,13 @@ def matching(listed: list[tuple[object, dict]], shape: tuple[int, int], rows: In
     return verdicts
 
 
-def stacked(found: list[Intervals], q_len: int, k_len: int) -> Intervals:
-    """Intervals of one batch row each, over keys [0, k_len), as one (N, Lq, K): a batch row per one of them, each
-    padded with empty intervals [k_end, k_end) to the widest."""
-    width = max([item.starts.shape[-1] for item in found])
-    starts = np.full((len(found), q_len, width), k_len, dtype=np.int64)
-    ends = starts.copy()
-    for n, item in enumerate(found):
-        starts[n, :, : item.starts.shape[-1]] = item.starts[0]
-        ends[n, :, : item.ends.shape[-1]] = item.ends[0]
-    return Intervals(starts, ends, 0, k_len)
-
-
-def same_each(got: Intervals, want: Intervals) -> np.ndarray:
-    """Bool (N,): whether each batch row of `got` holds the cells of `want`'s one, counted per row (as many in each,
-    and all of them in both)."""
-    counts = want.counts()
-    same = (got.counts() == counts).all(axis=1)
-    chosen = np.flatnonzero(same)  # as many cells in each row: only these are intersected (few, often none)
-    if len(chosen):
-        alike = Intervals(got.starts[chosen], got.ends[chosen], got.k_start, got.k_end)
-        same[chosen] = ((alike & want).counts() == counts).all(axis=1)
-    return same
-
-
 def runs(keep: np.ndarray) -> Intervals | None:
     """A (Lq, Lk) keep matrix's cells as exact key intervals per query row (keys from 0), (1, Lq, K), in the normal
     form intervals.py keeps; None where a row has more runs than a few (then cells are compared)."""
-    frame = Frame(0, 1, 0, keep.shape[1])
-    frame.k_end  # noqa: B018 (read where the frame is made: cached for key_runs)
-    try:
-        rows = key_runs(keep, frame, "the tensor")  # each query row read as a batch row's
+    try:  # each query row read as a batch row's, keys 0..Lk (no Frame: only where the keys lie is read)
+        return key_runs(keep, SimpleNamespace(k_start=0, k_end=keep.shape[1]), "the tensor", queries=True)
     except NotFew:
         return None
-    return Intervals(rows.starts[None, :, 0], rows.ends[None, :, 0], rows.k_start, rows.k_end)
 
 
 def same_cells(got: Intervals, want: Intervals) -> bool:

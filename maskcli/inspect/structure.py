@@ -20,16 +20,18 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.expression import parse
-from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, matching, placed_at, on_terms, profile, runs, same_cells, same_each, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
-from maskcli.intervals import Intervals, NotFew
+from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, made_of, matching, placed_at, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
+from maskcli.intervals import Intervals, NotFew, same_each
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds.padding import key_runs
+from maskcli.kinds.values import Labels
 from maskcli.mask import Mask, MaskOptions
 from maskcli.mask import build as build_mask
 from maskcli.mask import from_terms
 from maskcli.mask import placed as _placed
 from maskcli.mask import placing as _placing
-from maskcli.terms import resolve
+from maskcli.positions import DEFAULT_LEN
+from maskcli.terms import Term, resolve
 from maskcli.text import shell_quote
 
 FLAGS = {
@@ -89,7 +91,7 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
     try:
         place = placed_at(options, known) if known is not None and not isinstance(expression, str) else None
         if place is not None and place != REFUSED:
-            built = from_terms(expression, place[0], options.get("heads", 1))
+            built = from_terms(expression, place[0], options.get("heads", 1), made=made_of(expression, place, known))
         else:
             built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
     except MaskError:
@@ -123,18 +125,26 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
 
 def _placed_alike(tree, options: dict, built: Mask) -> bool:
     """Whether `tree` with `options` is placed where `built` is (mask.placing: the same positions make the same
-    Mask of the same terms), with no second Mask."""
+    Mask of the same terms), with no second Mask. A term whose kind fixes no length (no labels, no draft tree) with
+    no key padding given: nothing but --len says how many queries, so without it placing gives the default length."""
+    f = built.frame
+    if isinstance(tree, Term) and set(options) <= {"heads"} and tree.kind.queries is None and (
+            tree.kind.sequence is None or tree.kind.sequence(tree.values) is None):
+        return (f.q_start, f.q_len, f.k_start, f.k_len) == (0, DEFAULT_LEN, 0, DEFAULT_LEN)
     try:
         frame = _placing(tree, MaskOptions(**options))[0]
     except MaskError:
         return False
-    f = built.frame
     return (frame.q_start, frame.q_len, frame.k_start, frame.k_len) == (f.q_start, f.q_len, f.k_start, f.k_len)
 
 
 def _parsed_alike(expression: str, tree) -> bool:
     """Whether the text shown parses back (as `maskcli show` reads it) to the very terms it was made of: then it
-    builds the Mask they built, with no second one; else the caller builds it from the text."""
+    builds the Mask they built, with no second one; else the caller builds it from the text. Terms of whole numbers
+    and choices alone (no labels: those may be written as sizes or a file) print as they parse, so their text is not
+    parsed again (tests/test_inspect_structure.py holds every recognised kind's text to it)."""
+    if isinstance(tree, Term) and not any(isinstance(value, Labels) for _, value in tree.params):
+        return True
     try:
         again, _ = resolve(parse(expression), {}, expression)
     except MaskError:
@@ -183,14 +193,15 @@ def closest(keep: np.ndarray, listed: list[tuple[str, object, dict]]) -> dict | 
 def readings(ones: np.ndarray, key_padding: bool = False) -> list[tuple[str, Structure, bool]]:
     """A bool tensor read both ways round, for polarity to score (one call, not one per reading): for True = attend
     and True = masked, (that meaning, the Structure that rebuilds it read so, whether some query then sees no key)."""
-    found = []
+    found, places = [], {}  # (the placements' Frames, made once for both readings)
     for meaning, keep in (("attend", ones), ("masked", ~ones)):
-        found.append((meaning, recognise(keep, key_padding=key_padding, marked=meaning), bool(fully_masked_rows(keep).any())))
+        found.append((meaning, recognise(keep, key_padding=key_padding, marked=meaning, places=places),
+                      bool(fully_masked_rows(keep).any())))
     return found
 
 
 def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "attend", nearest: bool = False,
-              q_start: int | None = None, padding: dict | None = None) -> Structure:
+              q_start: int | None = None, padding: dict | None = None, places: dict | None = None) -> Structure:
     """The expression (and options) whose mask is exactly this keep mask (B, H, Lq, Lk), or expression None.
 
     The queries are taken to sit at the end of the keys (bottom-right, as a cache puts them).
@@ -202,6 +213,7 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     written lie after the queries): that placement is tried first.
     `padding`: the key padding the call's own key-padding argument gave (maskcli.keypadding fields; {} for none),
     where it had one: then that is the padding, not keys that no query sees (an inverted mask's first key).
+    `places`: the placements another reading of the same tensor worked out (candidates.placed_at), shared.
     """
     batch, heads, q_len, k_len = keep4.shape
     if heads > 1 and not bool((keep4 == keep4[:, :1]).all()):
@@ -225,7 +237,8 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     head_option = {"heads": heads} if heads > 1 else {}
     keep = keep4[:, :1]
     seen = keep[:, 0].any(axis=1)  # (B, Lk): keys that some query sees
-    ref = keep[int(seen.sum(axis=1).argmax()), 0]  # the batch row with the most keys in use
+    chosen = int(seen.sum(axis=1).argmax())
+    ref = keep[chosen, 0]  # the batch row with the most keys in use
     at_end = k_len - q_len
     base = {"length": q_len, **({"offset": at_end} if at_end else {})}
     placements = [(base, at_end)] + ([({"length": q_len, "kv_len": k_len}, 0)] if at_end else [])
@@ -282,10 +295,10 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         alone = found("padding", bare("padding"), {**base, **padding})  # (not sink(n) or prefix(n), the same cells by chance)
         if alone is not None:
             return alone
-    rows_read = profile(ref, 0, 0, marked)  # once: each placement, and the composites, read it
+    rows_read = profile(ref, 0, 0, marked, rows if chosen == 0 else None)  # once: each placement, and the composites, read it
     # once: the placements read the same with and without the padding (so only what padding cannot cut rules a kind
     # out); every kind's where the closest is asked for (it may be a kind the tensor rules out)
-    known: dict = {}  # each placement's positions and what the tensor lacks there, worked out once (placed_at)
+    known: dict = {} if places is None else {"places": places}  # each placement's positions and what the tensor lacks there, worked out once (placed_at)
     read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None, known=known,
                       made=rows)  # each candidate's intervals made as it is read, for `first`'s table
     for extra in [{}] if padding is None else [{}, padding]:

@@ -7,13 +7,12 @@ band(S + 1)). band(W) & causal is window(W): W counts as window counts, the quer
 
 from __future__ import annotations
 
-from maskcli.intervals import Intervals
 from maskcli.kinds.base import Kind, Param, Profile
 
 
 def _band_intervals(p, frame):
     q = frame.q_column
-    return Intervals.of(q - p["window"] + 1, q + p["window"], frame.k_start, frame.k_end)
+    return q - p["window"] + 1, q + p["window"]
 
 
 def _band_predicate(p, frame, device):

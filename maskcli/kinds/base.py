@@ -1,11 +1,16 @@
 """What a kind is: a name and meaning, parameters, and two exact forms of the same set of cells.
 
     predicate(params, frame, device) -> mask_mod(b, h, q, kv) -> bool tensor   # absolute q, kv (torch)
-    intervals(params, frame) -> Intervals                                      # numpy, O(L)
+    intervals(params, frame) -> Intervals, or its bounds (starts, ends)       # numpy, O(L)
     why(params, frame, b, q, kv) -> (keep, reason in words)                    # one cell, plain ints (--why)
 
 A kind module defines its kinds with `Kind(...)` in a module-level tuple `KINDS`; the
 registry collects every module of this package, so adding a kind is one module.
+
+A kind whose keys are one interval per row (or a few, each a column of K) returns its bounds, `(starts, ends)`
+broadcast to (B, Lq, K) on absolute key positions, unsorted, overlapping or out of the keys as they come: whoever
+asks (`terms`, `recognised`) makes them Intervals (`Intervals.of` on the frame's keys), so a reading that makes every
+candidate's makes them together. A kind whose set needs the algebra (labels, a draft tree) returns Intervals.
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ class Kind:
     keep: str  # the definition on absolute positions, e.g. "q - W < kv <= q"
     params: tuple[Param, ...]
     example: str  # an expression that shows it, e.g. "window(3)"
-    intervals: Callable[[dict, Frame], Intervals]
+    intervals: Callable[[dict, Frame], Intervals | tuple]  # Intervals, or bounds (starts, ends) Intervals.of normalises
     predicate: Callable[[dict, Frame, Any], MaskMod]
     rank: int  # order in lists, help and recognition: simplest first
     recognise: Callable[[Profile], Iterable[dict]] | None = None  # candidate parameters, each then rebuilt and compared
@@ -176,12 +181,14 @@ def recognised(kinds, asks, max_labels: int) -> list[tuple]:
                                 raise MaskError(f"the labels of {kind.name} have {count} entries, the mask {frame.n} positions")
                             if kind.check is not None:
                                 kind.check(made_values, frame, kind.name)
-                            made = kind.intervals(made_values, frame)
+                            made = kind.intervals(made_values, frame)  # bounds made Intervals below, together
                         except MaskError as error:
                             made = error
                         except NotFew:
                             made = None
                     found.append((kind.rank, order, kind.name, index, kind, checked, made))
     found.sort(key=lambda item: item[:4])
-    return [(kind, checked, order, made) for _, order, _, _, kind, checked, made in found]
+    ends = {order: (frame.k_start, frame.k_end) for order, _, _, frame, _ in asks if frame is not None}
+    return [(kind, checked, order, Intervals.of(*made, *ends[order]) if isinstance(made, tuple) else made)
+            for _, order, _, _, kind, checked, made in found]  # every kind's bounds normalised in one run of calls
 

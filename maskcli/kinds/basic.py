@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from maskcli.intervals import Intervals
 from maskcli.kinds.base import Kind, Param, Profile
 
 MEANS = Param(
@@ -12,7 +11,7 @@ MEANS = Param(
 
 
 def _full_intervals(p, frame):
-    return Intervals.of(frame.k_start, frame.k_end, frame.k_start, frame.k_end)
+    return frame.k_start, frame.k_end
 
 
 def _full_predicate(p, frame, device):
@@ -23,7 +22,7 @@ def _full_predicate(p, frame, device):
 
 
 def _causal_intervals(p, frame):
-    return Intervals.of(frame.k_start, frame.q_column + 1, frame.k_start, frame.k_end)
+    return frame.k_start, frame.q_column + 1
 
 
 def _causal_predicate(p, frame, device):
@@ -38,13 +37,13 @@ def _causal_candidates(profile: Profile):
 
 
 def _tril_intervals(p, frame):
-    ones = Intervals.of(frame.k_start, frame.q_column + (p["diagonal"] + 1), frame.k_start, frame.k_end)
-    return ones if p["means"] == "keep" else ~ones
+    edge = frame.q_column + (p["diagonal"] + 1)  # the 1-cells [k_start, edge); read as block, the rest [edge, k_end)
+    return (frame.k_start, edge) if p["means"] == "keep" else (edge, frame.k_end)
 
 
 def _triu_intervals(p, frame):
-    ones = Intervals.of(frame.q_column + p["diagonal"], frame.k_end, frame.k_start, frame.k_end)
-    return ones if p["means"] == "keep" else ~ones
+    edge = frame.q_column + p["diagonal"]  # the 1-cells [edge, k_end); read as block, the rest [k_start, edge)
+    return (edge, frame.k_end) if p["means"] == "keep" else (frame.k_start, edge)
 
 
 def _tril_predicate(p, frame, device):

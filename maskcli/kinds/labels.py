@@ -195,7 +195,7 @@ def _chunk_intervals(p, frame):
     q = frame.q_positions
     # labels that never go down: the keys whose label is at most the query's are one prefix
     ends = np.stack([np.searchsorted(row, row[q], side="right") for row in labels])
-    return Intervals.of(np.int64(0), ends[:, :, None], frame.k_start, frame.k_end)
+    return np.int64(0), ends[:, :, None]
 
 
 def position_table(array: np.ndarray, device):

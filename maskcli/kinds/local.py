@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.intervals import Intervals
 from maskcli.kinds.base import Kind, Param, Profile
 from maskcli.kinds.values import row_of
 from maskcli.kinds.basic import later
@@ -14,7 +13,7 @@ from maskcli.kinds.labels import at_position, position_table, run_start, run_sta
 
 def _window_intervals(p, frame):
     q = frame.q_column
-    return Intervals.of(q - p["window"] + 1, q + 1, frame.k_start, frame.k_end)
+    return q - p["window"] + 1, q + 1
 
 
 def _window_predicate(p, frame, device):
@@ -42,8 +41,7 @@ def _window_candidates(profile: Profile):
 
 
 def _lookback_intervals(p, frame):
-    q = frame.q_column
-    return Intervals.of(q - p["window"] + 1, frame.k_end, frame.k_start, frame.k_end)
+    return frame.q_column - p["window"] + 1, frame.k_end
 
 
 def _lookback_predicate(p, frame, device):
@@ -74,7 +72,7 @@ def _sink_why(p, frame, b, q, kv):
 
 
 def _prefix_intervals(p, frame):
-    return Intervals.of(frame.k_start, np.maximum(frame.q_column + 1, p["prefix"]), frame.k_start, frame.k_end)
+    return frame.k_start, np.maximum(frame.q_column + 1, p["prefix"])
 
 
 def _prefix_predicate(p, frame, device):
@@ -92,7 +90,7 @@ def _prefix_candidates(profile: Profile):
 
 
 def _sink_intervals(p, frame):
-    return Intervals.of(0, p["sink"], frame.k_start, frame.k_end)
+    return 0, p["sink"]
 
 
 def _sink_predicate(p, frame, device):
@@ -141,7 +139,7 @@ def _local_why(p, frame, b, q, kv):
 
 
 def _local_intervals(p, frame):
-    return Intervals.of(chunk_starts(p, frame, frame.q_positions)[:, :, None], frame.q_column + 1, frame.k_start, frame.k_end)
+    return chunk_starts(p, frame, frame.q_positions)[:, :, None], frame.q_column + 1
 
 
 def _local_predicate(p, frame, device):

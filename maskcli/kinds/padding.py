@@ -17,9 +17,11 @@ from maskcli.kinds.base import Kind
 CELLS = 1 << 22  # cells of a tensor's rows key_runs compares at a time
 
 
-def key_runs(valid: np.ndarray, frame, what: str = "the padding") -> Intervals:
-    """Runs of real (non-pad) keys per batch row, as (B, 1, K) intervals. Reads `valid` (B, S) by two comparisons of
-    neighbouring columns, a block of rows at a time (a 20,000^2 tensor's rows: no copy of it, in any dtype)."""
+def key_runs(valid: np.ndarray, frame, what: str = "the padding", queries: bool = False) -> Intervals:
+    """Runs of real (non-pad) keys per batch row, as (B, 1, K) intervals; `queries`: each row of `valid` read as a
+    query row of one batch row, (1, B, K) (a tensor's cells). Reads `valid` (B, S) by two comparisons of
+    neighbouring columns, a block of rows at a time (a 20,000^2 tensor's rows: no copy of it, in any dtype).
+    `frame`: anything with the keys' k_start and k_end."""
     valid = np.asarray(valid)
     batch, size = valid.shape
     stride = size + 1  # (a run's start and end keyed row * stride + column: its end may be `size`)
@@ -40,6 +42,8 @@ def key_runs(valid: np.ndarray, frame, what: str = "the padding") -> Intervals:
     rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
     first[rows, rank] = begin
     last[rows, rank] = finish
+    if queries:
+        return Intervals.of(first[None], last[None], frame.k_start, frame.k_end)
     return Intervals.of(first[:, None, :], last[:, None, :], frame.k_start, frame.k_end)
 
 
