@@ -521,3 +521,14 @@ def test_a_decoder_step_export_wrapper_that_keeps_the_memory_padding_mask_is_qui
     and passing it on to nn.TransformerDecoder: no finding that is wrong or suspicious."""
     status, found, report = traced(tmp_path, "transformer_decoder_step_export_keeps_memory_padding_mask", False, MEMORY)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_t5_cross_attention_bias_taken_from_block_0s_attention_weights(tmp_path):
+    """transformers#4499 (written blind, batch blind-fs): with output_attentions, T5Stack took block 0's cross-attention
+    *weights* as the bias of blocks 1+, dropping the encoder padding folded into it. The first cell: a double loop
+    over the sources' lengths (7 and 4) at the training call's 4 decoder queries."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "t5_cross_attention_position_bias_takes_attention_weights", "encoder-padding-ignored")[0]
+    lengths = [7, 4]
+    assert tuple(hit["cell"]) == first((2, 4, 7), lambda b, q, k: k >= lengths[b]), hit

@@ -35,6 +35,7 @@ from maskcli.trace.tiles import zero_units
 from maskcli.trace.tokenids import token_ids as _token_ids
 from maskcli.trace.framebudget import video_input
 from maskcli.trace.zeromemory import zero_memory
+import maskcli.trace.pairedids as pairedids
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
@@ -332,9 +333,10 @@ def _withheld(signature, given: dict, frame) -> dict:
         variables = frame.f_locals if code.co_name != "<module>" or n == 0 and frame.f_globals.get("__name__") == "__main__" \
             else {}
         for name in names:
-            for held in (variables.get(name), *(v.get(name) for v in variables.values() if isinstance(v, dict))):
+            for held, holder in ((variables.get(name), variables),
+                                 *((v.get(name), v) for v in variables.values() if isinstance(v, dict))):
                 rows = _padding_like(held)
-                if rows is not None:
+                if rows is not None and not pairedids.other_tokens(name, held, holder, given):
                     at = "the top" if code.co_name == "<module>" else f"{code.co_name}()"
                     return {"withheld": (name, f"{at} of {os.path.basename(code.co_filename)}", rows)}
     return {}
