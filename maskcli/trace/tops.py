@@ -56,6 +56,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              # a hand-written seq2seq model's two sides, each with its own pad id (checks/sides.py):
              "src", "source", "src_ids", "source_ids", "trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids",
              "input_src", "src_tokens", "source_tokens", "src_seq", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens",
+             "src_input", "trg_input", "tgt_input", "target_input",  # (JoeyNMT's teacher-forced decoder input)
              "source_seq", "trg_seq", "tgt_seq", "target_seq")
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k")  # kept as ints too
