@@ -27,3 +27,18 @@ def test_nothing_said_without_the_pair_of_the_masks_shape_or_for_other_masks():
     assert not other_tokens("decoder_attention_mask", MASK, {"decoder_input_ids": IDS[:, :3]}, handed)
     assert not other_tokens("frame_mask", MASK, {"decoder_input_ids": IDS}, handed)
     assert not other_tokens("decoder_attention_mask", MASK, {"decoder_input_ids": IDS}, {})
+
+
+def test_inner_other_reads_the_ids_of_the_function_nearest_the_call():
+    """The innermost frame holding `decoder_input_ids` decides: the loop's own tokens (other), the batch's (the same)."""
+    import sys
+    from maskcli.trace.pairedids import inner_other
+
+    def frame_holding(decoder_input_ids):
+        return sys._getframe()
+
+    batch = {"decoder_input_ids": IDS, "decoder_attention_mask": MASK}
+    loop = torch.tensor([[1, 5, 6, 7], [1, 5, 6, 8]])
+    assert inner_other("decoder_attention_mask", MASK, batch, [(frame_holding(loop), ())])
+    assert not inner_other("decoder_attention_mask", MASK, batch, [(frame_holding(IDS), ())])
+    assert not inner_other("decoder_attention_mask", MASK, batch, [])

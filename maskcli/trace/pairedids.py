@@ -4,7 +4,8 @@ HF pairs `decoder_attention_mask` with `decoder_input_ids`: a function that hold
 tokens its mask describes. A call handed decoder ids that are not those (neither the same tensor nor, over the columns
 they share, the same values from the start or from the end: a decode step's last token) runs another sequence
 (a greedy loop's own tokens beside a training batch's mask), so that mask says nothing of the call's padding
-(trace/tops.py's `_withheld`, read by checks/withheld.py).
+(trace/tops.py's `_withheld`, read by checks/withheld.py; trace/held.py's padding at an attention call, where the
+function nearer the call holds the ids it runs: checks/held.py).
 """
 
 from __future__ import annotations
@@ -27,3 +28,15 @@ def other_tokens(name: str, mask, holder: dict, given: dict) -> bool:
     if w >= width:
         return not torch.equal(handed[:, :width], ids)
     return not torch.equal(handed, ids[:, :w]) and not torch.equal(handed, ids[:, width - w:])
+
+
+def inner_other(name: str, mask, holder: dict, inner: list) -> bool:
+    """other_tokens against the paired ids the function nearest the attention call holds (`inner`: (frame, names)
+    pairs, innermost first, of the functions between that call and the holder): read only where a held mask of a
+    paired name was found, so the frames' variables are asked rarely."""
+    pair = PAIRS.get(name)
+    for frame, _ in inner:
+        ids = frame.f_locals.get(pair)
+        if issubclass(type(ids), torch.Tensor):
+            return other_tokens(name, mask, holder, {pair: ids})
+    return False
