@@ -65,3 +65,18 @@ def test_triu_and_tril_by_a_kept_band_are_numpys():
             assert np.array_equal(tril(cells, offset), np.tril(cells, offset))
     with pytest.raises(ValueError):
         band(3, 3, 1, True)[0, 0] = True
+
+
+def test_a_module_path_word_for_cross_attention_and_what_is_not_one():
+    """context.crossing by the module path: bert4keras ports' `cross_atts.0` (a list of `cross_att`s) is a
+    cross-attention, as `cross_attn` and T5's `EncDecAttention` are; `self_atts`, `crossbar`, `flex_attn` are not."""
+    from maskcli.checks.context import crossing
+
+    def call(where, q_len=5, k_len=8):
+        return SimpleNamespace(where=where, shape=(2, 4, q_len, k_len), details={}, api="softmax")
+
+    for where in ("decoder.cross_atts.0", "decoder.layers.1.cross_att", "model.crossatt", "decoder.cross_attn",
+                  "decoder.block.1.layer.1.EncDecAttention"):
+        assert crossing(call(where)).cross, where
+    for where in ("decoder.self_atts.0", "decoder.crossbar.0", "decoder.layers.0.flex_attn", "decoder.cross_attsx"):
+        assert not crossing(call(where)).cross, where

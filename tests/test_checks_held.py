@@ -1044,3 +1044,33 @@ def test_a_training_step_that_drops_a_left_padded_batch_dicts_attention_mask(tmp
     assert 'batch["attention_mask"] in training_step()' in found[0]["message"]
     status, findings, report = traced(tmp_path, "left_padded_lm_step_drops_collator_attention_mask", True, HELD)
     assert [f for f in findings if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_decoder_mask_is_the_tokens_held_beside_it_and_a_causal_call_handed_it():
+    """checks/heldextra._kept_in_order: a causal self-attention over a left-padded decoder prompt that hides the pad
+    from every real query was handed that padding (the pad hidden from a later real query, a double loop's reading);
+    causal order over right padding, which hides it whatever the mask, says nothing; a real query seeing a pad: no."""
+    from maskcli.checks.heldextra import _kept_in_order
+
+    def cells(real, keeps_pad):
+        return np.array([[[k <= q and (real[b][k] or not real[b][q] or keeps_pad) for k in range(4)] for q in range(4)]
+                         for b in range(len(real))])
+
+    left = np.array([[True] * 4, [False, True, True, True]])
+    right = np.array([[True] * 4, [True, True, True, False]])
+    hidden_later = any(cells(left, False)[b, q, k2] and not cells(left, False)[b, q, k] for b in range(2)
+                       for q in range(4) for k in range(4) for k2 in range(k + 1, 4) if left[b][q] and not left[b][k])
+    assert hidden_later and _kept_in_order(cells(left, False), left)
+    assert not _kept_in_order(cells(right, False), right)
+    assert not _kept_in_order(cells(left, True), left)
+
+
+def test_a_training_batchs_decoder_mask_beside_its_own_greedy_loop_is_not_the_loops(tmp_path):
+    """Correct (tests/data/withheld): a batch dict's left-padded decoder prompts and their `decoder_attention_mask`,
+    handed to the model at the training step; then the same function's greedy loop over fresh sequences of the same
+    width, handed no mask. Neither the encoder's 5 keys (the decoder's self-attention over 4 was handed that padding,
+    causal, the left pad hidden) nor the loop's decoder (other ids than the batch's `decoder_input_ids`, which the
+    model's forward holds: trace/pairedids.inner_other) is read against it: no wrong or suspicious finding."""
+    status, found, report = traced(tmp_path, "seq2seq_greedy_loop_beside_training_batch_decoder_mask", False,
+                                   Path(__file__).parent / "data" / "withheld")
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -521,3 +521,48 @@ def test_a_decoder_step_export_wrapper_that_keeps_the_memory_padding_mask_is_qui
     and passing it on to nn.TransformerDecoder: no finding that is wrong or suspicious."""
     status, found, report = traced(tmp_path, "transformer_decoder_step_export_keeps_memory_padding_mask", False, MEMORY)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_t5_cross_attention_bias_taken_from_block_0s_attention_weights(tmp_path):
+    """transformers#4499 (written blind, batch blind-fs): with output_attentions, T5Stack took block 0's cross-attention
+    *weights* as the bias of blocks 1+, dropping the encoder padding folded into it. The first cell: a double loop
+    over the sources' lengths (7 and 4) at the training call's 4 decoder queries."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "t5_cross_attention_position_bias_takes_attention_weights", "encoder-padding-ignored")[0]
+    lengths = [7, 4]
+    assert tuple(hit["cell"]) == first((2, 4, 7), lambda b, q, k: k >= lengths[b]), hit
+
+
+MEMORY = Path(__file__).parent / "data" / "memory"
+
+
+def test_bert4keras_t5_encoder_output_not_zeroed_so_the_context_mask_keeps_padding(tmp_path):
+    """bojone/bert4keras 184f10d (bert4keras#387; written blind, batch blind-fs): the decoder's context mask is Keras'
+    Masking over the encoder output (a zero vector is padding), which the encoder never zeroed: every cross-attention
+    (`decoder.cross_atts.N`: a cross-attention by its path) keeps the padded source, which the encoder's own
+    self-attention masks. The first cell: a double loop over the sources' lengths (8 and 5) at the training call."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "bert4keras_t5_encoder_output_not_masked_cross_attention_sees_padding",
+                    "encoder-padding-ignored")[0]
+    lengths = [8, 5]
+    assert tuple(hit["cell"]) == first((2, 5, 8), lambda b, q, k: k >= lengths[b]), hit
+    assert "the encoder's own self-attention (encoder.atts.1)" in hit["message"], hit["message"]
+
+
+def test_a_memory_mask_read_off_zero_vectors_of_an_encoder_output_never_zeroed(tmp_path):
+    """Written another way: nn.TransformerEncoder / nn.TransformerDecoder (MHA), left-padded sources, the memory's key
+    padding read as all-zero vectors of an encoder output ending in a LayerNorm. The first cell and the count: a double
+    loop over the left padding (3, 0 and 1 pads) at the decoder's 3 queries. Its fix (masked_fill) is quiet; so is the
+    same model handed `src == PAD` as its memory_key_padding_mask."""
+    from checkbugs import check_bug
+
+    name = "torch_transformer_memory_mask_from_zero_vectors_encoder_output_not_zeroed"
+    hit = check_bug(tmp_path, name, "encoder-padding-ignored", MEMORY)[0]
+    pads = [3, 0, 1]
+    assert tuple(hit["cell"]) == first((3, 3, 7), lambda b, q, k: k < pads[b]), hit
+    count = sum(k < pads[b] for b in range(3) for q in range(3) for k in range(7))
+    assert f"({count} such cells)" in hit["message"], hit["message"]
+    status, found, report = traced(tmp_path, "torch_transformer_memory_mask_from_source_ids_quiet", False, MEMORY)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -125,3 +125,43 @@ def test_real_queries_whose_scores_are_nan_are_said_by_the_nan_not_as_blind(tmp_
     assert {f["code"] for f in found if f["severity"] == "wrong"} == {"nan-spread"}, report
     spread = next(f for f in found if f["code"] == "nan-spread")
     assert "query rows 0-5 of batch row 1" in spread["message"]
+
+
+SIDES = Path(__file__).parent / "data" / "sides"
+
+
+def _first_blind(trg_input: list, trg_output: list, pad: int) -> tuple[int, int, int] | None:
+    """The first real query (trg_input != pad) that sees no key under the buggy mask: the output's padding on the query
+    axis ANDed with causal, by a double loop over absolute positions."""
+    for b, (inp, out) in enumerate(zip(trg_input, trg_output)):
+        for q in range(len(inp)):
+            if inp[q] != pad and not any(out[q] != pad and k <= q for k in range(len(inp))):
+                return (b, q, q)
+    return None
+
+
+def test_joeynmt_trg_mask_from_the_shifted_target_on_the_query_axis(tmp_path):
+    """joeynmt 7ac46a9 (written blind, batch blind-fs): Batch built trg_mask from the shifted output `trg` on the query
+    axis, (B, T, 1), ANDed with subsequent_mask: the EOS input of the short sentence (a real token of `trg_input`, the
+    target embedding's padding_idx 1 says so) sees no key, its -1e9 row uniform over every key, later ones included."""
+    pad, trg = 1, [[2, 13, 14, 15, 16, 17, 3], [2, 18, 19, 3, 1, 1, 1]]
+    hit = check_bug(tmp_path, "joeynmt_batch_trg_mask_from_shifted_target_on_query_axis", "real-query-blind")[0]
+    assert tuple(hit["cell"]) == _first_blind([t[:-1] for t in trg], [t[1:] for t in trg], pad), hit
+    assert "`trg_input` of Model at its pad id 1" in hit["message"], hit["message"]
+
+
+def test_an_sdpa_seq2seq_whose_tgt_mask_is_the_shifted_output_on_the_query_axis(tmp_path):
+    """Written another way: SDPA with an additive finfo.min mask, a dataclass config's pad id 0 held as `tgt_pad_idx`,
+    three rows, its modules named `decoder_self_attn` (a word of the path's, read as the target side): the mask from
+    `tgt_output` on the query axis blinds each shorter row's EOS input. The fix (key axis, from `tgt_input`) is quiet."""
+    tgt = [[1, 14, 15, 16, 17, 2], [1, 18, 2, 0, 0, 0], [1, 19, 20, 21, 2, 0]]
+    hit = check_bug(tmp_path, "seq2seq_sdpa_tgt_mask_from_shifted_output_on_query_axis", "real-query-blind", SIDES)[0]
+    assert tuple(hit["cell"]) == _first_blind([t[:-1] for t in tgt], [t[1:] for t in tgt], 0), hit
+    assert "(2 such rows)" in hit["message"], hit["message"]
+
+
+def test_padded_query_rows_that_see_nothing_are_quiet(tmp_path):
+    """Correct, the same shape: the decoder input's padding on both axes and causal; its padded query rows see no key
+    (a note), every real one sees itself: no wrong or suspicious finding."""
+    status, found, report = traced(tmp_path, "seq2seq_sdpa_tgt_mask_padding_on_both_axes_quiet", False, SIDES)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -67,7 +67,7 @@ def seen_both_ways(picks: list, held: dict, bad: np.ndarray) -> np.ndarray:
 
 def handed_elsewhere(run: Run, call, held: dict) -> bool:
     """Another self-attention of the run, over another number of keys than `call`, is handed this very padding: each of
-    its real queries sees exactly the real keys, the padding's w tokens being all its keys or its last or first w. The
+    its real queries sees exactly the real keys (or, causal, only real keys, a left pad hidden: _kept_in_order), the padding's w tokens being all its keys or its last or first w. The
     padding is those tokens', handed on: not `call`'s over a few more keys (ACT's VAE encoder handed key_padding_mask
     over [cls, state, actions], held while ACT's encoder runs over latent, state and image features), nor, where it
     lies within that call's longer sequence, `call`'s of w keys (its action_is_pad, there the last 8 of 10, held while
@@ -101,6 +101,19 @@ def _handed_to(other, real: np.ndarray) -> bool:
     for keys in placed:
         sees = cells[keys]  # (each real query's row of keys)
         expected = np.repeat(keys, keys.sum(axis=1), axis=0)
-        if np.array_equal(sees, expected):
+        if np.array_equal(sees, expected) or _kept_in_order(cells, keys):
             return True
     return False
+
+
+def _kept_in_order(cells: np.ndarray, keys: np.ndarray) -> bool:
+    """A causal (or any narrower) self-attention handed the padding: no real query sees a padded key, each sees one,
+    and some real query sees a key after a padded key of its row that it does not see (left padding hidden on purpose;
+    causal order alone, which hides right padding from every real query, says nothing of who was handed it)."""
+    real_q = keys[:, :, None]  # (rows, q, 1): the queries are the keys' own positions
+    if (cells & real_q & ~keys[:, None, :]).any() or not (cells.any(axis=2) | ~keys).all():
+        return False
+    seen = cells & real_q
+    last = np.where(seen.any(axis=2), seen.shape[2] - 1 - np.argmax(seen[:, :, ::-1], axis=2), -1)  # (rows, q)
+    first_pad = np.where((~keys).any(axis=1), np.argmax(~keys, axis=1), keys.shape[1])  # (rows,)
+    return bool((last > first_pad[:, None]).any())

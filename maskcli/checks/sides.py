@@ -5,7 +5,7 @@ A hand-written encoder-decoder states its source and target tokens as arguments 
 config field (`src_pad_idx`, `trg_pad_idx`, `tgt_pad_id` and their kin: trace/tops.py). Tokens at a side's pad id
 in a run at one end of each row are that side's padding; any other token is real, even where its id is the
 other side's pad id. A call's side is its module path's (`enc...` / `encoder` for the source, `dec...` /
-`decoder` for the target); a cross-attention's keys are the source's and its queries the target's; where
+`decoder` for the target, a word of its own or the first of one: `decoder_self_attn`); a cross-attention's keys are the source's and its queries the target's; where
 the path says nothing a call is read against the one side whose length its keys have. On that side:
 
 - a real query that sees a padded key is `padding-ignored` (as arguments.py's, for the side it names);
@@ -28,11 +28,12 @@ from maskcli.checks.registry import Rule
 from maskcli.checks.tiled import batch_part
 from maskcli.text import Finding, spans
 
-SOURCE = ("src", "source", "src_ids", "source_ids", "input_src", "src_tokens", "source_tokens", "src_seq", "source_seq")
+SOURCE = ("src", "source", "src_ids", "source_ids", "input_src", "src_input", "src_tokens", "source_tokens", "src_seq",
+          "source_seq")
 TARGET = ("trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens",
-          "trg_seq", "tgt_seq", "target_seq")
-ENCODER = re.compile(r"(?:^|\.)(?:enc|encoder|src|source)(?:_?layers?|_?blocks?|oder)?(?:\.|$)", re.IGNORECASE)
-DECODER = re.compile(r"(?:^|\.)(?:dec|decoder|trg|tgt|target)(?:_?layers?|_?blocks?|oder)?(?:\.|$)", re.IGNORECASE)
+          "trg_seq", "tgt_seq", "target_seq", "trg_input", "tgt_input", "target_input")
+ENCODER = re.compile(r"(?:^|\.)(?:enc|encoder|src|source)(?:_?layers?|_?blocks?|oder)?(?:[._]|$)", re.IGNORECASE)
+DECODER = re.compile(r"(?:^|\.)(?:dec|decoder|trg|tgt|target)(?:_?layers?|_?blocks?|oder)?(?:[._]|$)", re.IGNORECASE)
 
 
 def side_tokens(top, side: str, shape: tuple[int, int] | None = None) -> tuple[np.ndarray, str] | None:

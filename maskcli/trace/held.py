@@ -23,6 +23,7 @@ import torch
 
 from maskcli.trace.codes import ByCode
 from maskcli.trace.toplevel import read_by
+import maskcli.trace.pairedids as pairedids
 
 KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real token
 PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
@@ -107,7 +108,7 @@ def padding(frames: list | None = None) -> list[dict] | None:
             frame = frame.f_back
     found, seen = [], set()
     innermost, outer = None, []  # (the function that made the call; cells masks built above it, handed to no function)
-    for frame, held in frames:
+    for at, (frame, held) in enumerate(frames):
         innermost = innermost or frame
         top, start = frame.f_code.co_name == "<module>", len(found)
         if held and top:  # (a script's globals: those its running statement reads, tagged "top": trace/toplevel.py)
@@ -122,6 +123,9 @@ def padding(frames: list | None = None) -> list[dict] | None:
                 if issubclass(type(value), torch.Tensor) and id(value) not in seen:
                     seen.add(id(value))
                     read = _read(name, value, code)
+                    if read is not None and name in pairedids.PAIRS \
+                            and pairedids.inner_other(name, value, variables, frames[:at]):
+                        continue  # (a decoder mask of other tokens than those a function nearer the call holds)
                     if read is not None:
                         found.append(read)
                         if read["kind"] == "cells" and HANDED.search(name) and frame is not innermost \
@@ -142,7 +146,9 @@ def padding(frames: list | None = None) -> list[dict] | None:
                         seen.add(source)
                         found.append(read)
             for name, value in batches:
-                found.extend(_entries(name, value, code, seen))
+                found.extend(read for read in _entries(name, value, code, seen) if not any(
+                    read["name"] == f'{name}["{key}"]' and pairedids.inner_other(key, value[key], value, frames[:at])
+                    for key in pairedids.PAIRS))
         if top:
             found[start:] = [dict(read, top=True) for read in found[start:]]
     if outer and _own_mask(innermost, {held for _, held in outer}):

@@ -36,6 +36,7 @@ from maskcli.trace.tokentypes import token_types
 from maskcli.trace.tokenids import token_ids as _token_ids
 from maskcli.trace.framebudget import video_input
 from maskcli.trace.zeromemory import zero_memory
+import maskcli.trace.pairedids as pairedids
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
@@ -56,6 +57,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              # a hand-written seq2seq model's two sides, each with its own pad id (checks/sides.py):
              "src", "source", "src_ids", "source_ids", "trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids",
              "input_src", "src_tokens", "source_tokens", "src_seq", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens",
+             "src_input", "trg_input", "tgt_input", "target_input",  # (JoeyNMT's teacher-forced decoder input)
              "source_seq", "trg_seq", "tgt_seq", "target_seq")
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k")  # kept as ints too
@@ -334,9 +336,10 @@ def _withheld(signature, given: dict, frame) -> dict:
         variables = frame.f_locals if code.co_name != "<module>" or n == 0 and frame.f_globals.get("__name__") == "__main__" \
             else {}
         for name in names:
-            for held in (variables.get(name), *(v.get(name) for v in variables.values() if isinstance(v, dict))):
+            for held, holder in ((variables.get(name), variables),
+                                 *((v.get(name), v) for v in variables.values() if isinstance(v, dict))):
                 rows = _padding_like(held)
-                if rows is not None:
+                if rows is not None and not pairedids.other_tokens(name, held, holder, given):
                     at = "the top" if code.co_name == "<module>" else f"{code.co_name}()"
                     return {"withheld": (name, f"{at} of {os.path.basename(code.co_filename)}", rows)}
     return {}
