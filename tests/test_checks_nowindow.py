@@ -60,3 +60,17 @@ def test_hier_vit_none_window_whole_wide_map(tmp_path):
     """Quiet: windows an int states in the first stage, a None window that attends the whole wide map in the last."""
     status, found, report = traced(tmp_path, "hier_vit_none_window_whole_wide_map", False, NOWINDOW)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_seq_local_attention_none_window_default_chunk_bmm(tmp_path):
+    """Written another way: a 1-D sequence (B, N, D), heads folded into the batch for torch.bmm, a hand softmax, a None
+    window chunked by a default quarter of the sequence; the layer before it states its window of 8 (an int) and is
+    not flagged. The cell is the first pair a double loop over the sequence's positions finds in two chunks."""
+    name = "seq_local_attention_none_window_default_chunk_bmm"
+    status, found, report = traced(tmp_path, name, False, NOWINDOW)
+    hits = _hits(found)
+    assert len(hits) == 1 and hits[0]["severity"] == "suspicious", report
+    assert tuple(hits[0]["cell"]) == (0, *_first_unseen(1, 32, 1, 8))  # (one row of 32: chunks of 8)
+    assert "2 heads folded in" in hits[0]["message"]
+    status, found, report = traced(tmp_path, name, True, NOWINDOW)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
