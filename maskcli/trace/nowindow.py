@@ -23,8 +23,8 @@ def note(details: dict, stack: list, shape, walked) -> None:
         return
     inner = stack[-INNERMOST:]
     key = tuple(map(id, inner))
-    held = _READ.get(key)
-    if held is None or any(a is not b for a, b in zip(held[0], inner)):
+    held = _READ.get(key)  # (its modules held there: no id of a key is another object's while it is kept)
+    if held is None:
         if len(_READ) > 4096:
             _READ.clear()
         held = _READ[key] = (tuple(inner), _none_window(inner))
