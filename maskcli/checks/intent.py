@@ -24,7 +24,7 @@ from maskcli.checks.configread import added as _added
 
 FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset", "mem_len",
          "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own", "chunk_right", "chunk_scope",
-         "added", "frame_budget", "frame_block", "model_chunks", "evict_budget")
+         "added", "frame_budget", "frame_block", "model_chunks", "evict_budget", "prefix_pool", "prefix_scope")
 # what a Stated says of its config, not its fields (a model's memory length, its own causal flag: memlen.py, reach.py,
 # chunkahead.py read them alone; the fields of a transformers config its class defines nowhere: configread.py)
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from maskcli.trace.blockwindows import note as block_windows
+import maskcli.trace.nowindow as nowindow
 from maskcli.trace.builtflag import built_not_causal
 from maskcli.trace.placedids import placed_ids
 from maskcli.trace.querygroups import note as query_groups
@@ -119,6 +120,7 @@ def note(details: dict, stack: list, api: str = "", shape: tuple | None = None, 
         if folded is not None:
             details["query_input"], details["memory_input"] = folded
     block_windows(details, stack)
+    nowindow.note(details, stack, shape, walked)  # (a None window beside the map it was handed: checks/nowindow.py)
     query_groups(details, stack)  # (the query groups a module states it trains with: checks/querygroups.py)
     if "module_causal" in details and (built := built_not_causal(stack)) is not None:
         details["built_not_causal"] = built  # (the model built causal=False around it: checks/builtcausal.py)

@@ -24,6 +24,7 @@ from maskcli.trace.chunksizes import chunk_sizes
 from maskcli.trace.framebudget import frame_blocks, frame_budget
 from maskcli.trace.owndecoder import own_decoders
 from maskcli.trace.ownwindow import own_windows
+import maskcli.trace.prefixpool as prefixpool
 import maskcli.trace.seqdrop as seqdrop
 
 FRAMES = 12  # program frames searched for config variables (the call's own and its callers)
@@ -46,8 +47,7 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     found += own_windows(module, path) + own_decoders(module, path)
     found += _kinds(module, path)
     found += _full_blocks(module, path) + _memory_lengths(module, path)
-    found += _model_causal(module)
-    found += _neighbours(module, path)
+    found += _model_causal(module) + _neighbours(module, path) + prefixpool.stated(module, path)
     found += _chunk_right(module, path) + seqdrop.rates(module, path)
     found += padding_flags(module, places) + frame_budget(module, places) + frame_blocks(module, places)
     cache[id(module)] = (module, tuple(found))
