@@ -22,14 +22,19 @@ def imports_transformers(program: Path) -> bool:
     return re.search(r"^\s*(?:from|import) transformers\b", program.read_text(), re.M) is not None
 
 
+PATCHES = re.compile(r"^[A-Za-z_][\w.]*\.[A-Z]\w*\.forward *=", re.MULTILINE)  # a library class's forward replaced
+
+
 def traced(tmp_path, name: str, fixed: bool, folder: Path = BUGS, args: tuple = ()) -> tuple[int, list[dict], str]:
     """(exit status, the findings of every group, the report) of `maskcli trace FOLDER/NAME.py [ARGS] [--fixed]`."""
     if imports_transformers(folder / f"{name}.py"):
         pytest.importorskip("transformers")  # (a program built from transformers' classes: the hf extra)
     out = tmp_path / f"{name}{'-'.join(('', *args))}{'-fixed' if fixed else ''}.json"
     command = ["trace", "--json", str(out), str(folder / f"{name}.py"), *args, *(["--fixed"] if fixed else [])]
-    if "flex_attention(" in (folder / f"{name}.py").read_text():  # (dynamo's guards on __main__ outlive a program
-        status, output = _apart(command)  # run in this process: a flex program is traced in its own)
+    text = (folder / f"{name}.py").read_text()
+    if "flex_attention(" in text or PATCHES.search(text):  # (dynamo's guards on __main__ outlive a program run in
+        status, output = _apart(command)  # this process, and so do a library's classes it patches, as unsloth's
+        # `modeling_gemma2.Gemma2Model.forward = ...`: each is traced in a process of its own)
     else:
         result = runner.invoke(app, command)
         assert result.exception is None or isinstance(result.exception, SystemExit), result.output
