@@ -67,7 +67,8 @@ def seen_both_ways(picks: list, held: dict, bad: np.ndarray) -> np.ndarray:
 
 def handed_elsewhere(run: Run, call, held: dict) -> bool:
     """Another self-attention of the run, over another number of keys than `call`, is handed this very padding: each of
-    its real queries sees exactly the real keys (or, causal, only real keys, a left pad hidden: _kept_in_order), the padding's w tokens being all its keys or its last or first w. The
+    its real queries sees exactly the real keys (or, causal, only real keys, a left pad hidden: _kept_in_order), the
+    padding's w tokens being all its keys or its last or first w. The
     padding is those tokens', handed on: not `call`'s over a few more keys (ACT's VAE encoder handed key_padding_mask
     over [cls, state, actions], held while ACT's encoder runs over latent, state and image features), nor, where it
     lies within that call's longer sequence, `call`'s of w keys (its action_is_pad, there the last 8 of 10, held while

@@ -379,14 +379,15 @@ def trimmed(run, call) -> np.ndarray | None:
     held = run.__dict__.setdefault("_trimmed", {})
     if call.where not in held:  # each site's counted starts, made once per run
         starts, count, before, site = {}, None, None, run.sites().get(call.where, [])
-        made = Counter(id(top) for top in map(run.top, site) if top is not None)  # (a model call that ran the site
-        for other in site:  # more than once ran several sequences through it, a kernel call per request: no count)
+        tops = [run.top(other) for other in site]
+        made = Counter(id(top) for top in tops if top is not None)  # (a model call that ran the site more than once
+        for other, top in zip(site, tops):  # ran several sequences through it, a kernel call per request: no count)
             q, k = other.shape[2:]
             if q == k and (q > 1 or count is None):  # (one query over one key after others: a cache trimmed to one)
                 count = 0
             elif count is not None and q > 1 and before is not None and k != before + q:
                 count = None
-            count = None if made.get(id(run.top(other)), 0) > 1 else count
+            count = None if top is not None and made[id(top)] > 1 else count
             starts[other.index] = count
             count, before = (None if count is None else count + q), k
         held[call.where] = starts

@@ -5,7 +5,8 @@ A hand-written encoder-decoder states its source and target tokens as arguments 
 config field (`src_pad_idx`, `trg_pad_idx`, `tgt_pad_id` and their kin: trace/tops.py). Tokens at a side's pad id
 in a run at one end of each row are that side's padding; any other token is real, even where its id is the
 other side's pad id. A call's side is its module path's (`enc...` / `encoder` for the source, `dec...` /
-`decoder` for the target, a word of its own or the first of one: `decoder_self_attn`); a cross-attention's keys are the source's and its queries the target's; where
+`decoder` for the target, a word of its own or the first of one: `decoder_self_attn`); a cross-attention's keys are
+the source's and its queries the target's; where
 the path says nothing a call is read against the one side whose length its keys have. On that side:
 
 - a real query that sees a padded key is `padding-ignored` (as arguments.py's, for the side it names);

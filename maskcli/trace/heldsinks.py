@@ -37,7 +37,7 @@ def held(stack: list, heads: int) -> tuple[object, str, torch.Tensor] | None:
             value = params.get(name, buffers.get(name, own.get(name)))
             if value is None or not issubclass(type(value), torch.Tensor) or not value.is_floating_point():
                 continue
-            if any(own.get(flag) is False for flag in OFF) or value.numel() != heads or value.numel() < 1 \
+            if any(own.get(flag) is False for flag in OFF) or value.numel() != heads \
                     or depth and _attentions(own.get("_modules") or {}) > 1:
                 return None  # (off; not one per head; or a block whose several attentions leave open whose sinks)
             values = value.detach().reshape(-1).float()

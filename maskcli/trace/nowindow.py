@@ -12,6 +12,8 @@ and the frame only where a module states a None window.
 
 from __future__ import annotations
 
+import torch
+
 WINDOWS = ("window_size", "win_size", "window", "window_len", "window_length", "attn_window_size", "local_window_size")
 INNERMOST = 3  # the attention module, a kernel module inside it (nn.Softmax), the block around it
 _READ: dict = {}  # (ids of the innermost modules) -> (those modules, (module, name) of a None window, or None)
@@ -50,8 +52,6 @@ def _none_window(inner: list):
 
 def _first_input(module, walked) -> tuple | None:
     """The shape of the first tensor argument the running call of `module` was handed (3 to 5 axes); None otherwise."""
-    import torch
-
     for frame in walked.calls:
         variables = frame.f_locals
         if variables.get("self") is not module:

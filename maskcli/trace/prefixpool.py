@@ -27,9 +27,9 @@ def _said(module) -> tuple[int, str, str] | None:
     count = flag = None
     for owner, get in readers:
         if count is None:
-            count = next(((get(n), f"{owner}.{n}") for n in COUNTS if type(get(n)) is int and get(n) > 0), None)
+            count = next(((v, f"{owner}.{n}") for n in COUNTS if type(v := get(n)) is int and v > 0), None)
         if flag is None:
-            flag = next(((get(n), f"{owner}.{n}") for n in FLAGS if type(get(n)) is bool), None)
+            flag = next(((v, f"{owner}.{n}") for n in FLAGS if type(v := get(n)) is bool), None)
     if count is None or flag is None or flag[0]:
         return None
     return count[0], count[1], flag[1]
