@@ -566,3 +566,45 @@ def test_a_memory_mask_read_off_zero_vectors_of_an_encoder_output_never_zeroed(t
     assert f"({count} such cells)" in hit["message"], hit["message"]
     status, found, report = traced(tmp_path, "torch_transformer_memory_mask_from_source_ids_quiet", False, MEMORY)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_pixart_multi_prompt_masks_repeated_in_another_order_than_the_embeddings(tmp_path):
+    """huggingface/diffusers#10103 (6a51427b6a; written blind, batch blind-fz): PixArtSigmaPipeline.encode_prompt repeated
+    the T5 embeddings per image as p0,p0,p1,p1 and their masks as m0,m1,m0,m1. The prompts and the negative prompt are
+    encoded in two T5 calls and the transformer handed [negative; positive]: each row's memory is mapped to the T5
+    output row it copies (checks/memrows.py), so row 5 (prompt 0's states under prompt 1's mask) sees prompt 0's
+    padding. The cell by a double loop over the tokenizer's lengths (its words and </s>); the fix, whose transformer
+    rows are not the T5 calls' rows one to one either, is quiet (it was told encoder-padding-ignored before)."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "diffusers_pixart_sigma_multi_prompt_mask_repeated_in_wrong_order",
+                    "encoder-padding-ignored")[0]
+    prompts, negative, per = ["a cat", "a small blue bird sitting on a branch"], "", 2
+    length = [len(p.split()) + 1 for p in prompts]
+    memory = [len(negative.split()) + 1] * (2 * per) + [length[i // per] for i in range(2 * per)]  # (p0, p0, p1, p1)
+    stated = [len(negative.split()) + 1] * (2 * per) + [length[i % 2] for i in range(2 * per)]  # (m0, m1, m0, m1)
+    assert tuple(hit["cell"]) == first((8, 1, 10), lambda b, q, k: memory[b] <= k < stated[b]) == (5, 0, 3), hit
+    assert "T5EncoderModel call whose output row 0 this row's encoder_hidden_states copies" in hit["message"], hit
+
+
+def test_a_cfg_denoiser_whose_left_padded_text_masks_are_tiled_while_its_embeds_are_interleaved(tmp_path):
+    """diffusers#10103 written another way: a hand-written text-to-audio denoiser (config a dict), prompts and negative
+    prompts encoded in two calls of an SDPA text encoder over left-padded text, embeddings repeat_interleave'd and
+    masks tiled, [conditional; unconditional], nn.MultiheadAttention's key_padding_mask. The first cell by a double loop
+    over the left padding of each row's own prompt against the prompt its mask is; the fix is quiet."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "cfg_denoiser_text_mask_tiled_while_embeds_interleaved", "encoder-padding-ignored",
+                    MEMORY)[0]
+    prompts, negative, per, slots = [2, 10], [3, 2], 2, 12  # (real tokens of each text: its words and an end token)
+    memory = [prompts[i // per] for i in range(4)] + [negative[i // per] for i in range(4)]
+    stated = [prompts[i % 2] for i in range(4)] + [negative[i % 2] for i in range(4)]
+    assert tuple(hit["cell"]) == first((8, 6, slots), lambda b, q, k: slots - stated[b] <= k < slots - memory[b]), hit
+
+
+def test_cfg_caption_masks_expanded_like_their_embeds_and_cast_to_bf16_is_quiet(tmp_path):
+    """Correct: negative and positive captions encoded apart, each expanded per image with its own mask, the states
+    cast to bfloat16 (rows matched by their cast: trace/outrows.py), [negative; positive] handed to an eager DiT whose
+    cross-attention adds a finfo.min bias. No finding that is wrong or suspicious."""
+    status, found, report = traced(tmp_path, "cfg_caption_masks_expanded_like_embeds_bf16_quiet", False, MEMORY)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -136,3 +136,18 @@ def test_an_unpadded_source_after_a_padded_one_of_as_many_keys_is_quiet(tmp_path
     status, found, report = traced(tmp_path, "marian_max_length_padded_sources_one_at_a_time", False, folder)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
+
+
+def test_a_memory_of_two_encoder_runs_adapted_outside_the_model_is_read_by_neither(tmp_path):
+    """Correct: captions, then negative captions (one caption twice), encoded in two calls, each output passed through
+    the pipeline's own Linear (no memory row copies an encoder output row: checks/memrows.py maps none), expanded per
+    image with its own mask and handed to a DiT as [negative; positive]. The latest encoder run's rows repeated would
+    call the positive rows' real tokens padding (main said encoder-padding-ignored at row 4); two encoder runs back to
+    back read as neither (memrows.encoder_runs). No finding that is wrong or suspicious."""
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "cfg_adapted_captions_encoded_apart_quiet", False,
+                                   Path(__file__).parent / "data" / "memory")
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -126,7 +126,10 @@ def memory(run: Run) -> list:
         bad = cells & asking[:, :, None] & ~real[:, None, :]
         if bad.any():
             b, q, k = first_cell(bad)
-            whose = f"encoder's own self-attention ({encoded.where})" if encoded is not None \
+            copy = encoded.copied[b] if encoded is not None and len(encoded.copied) > b else None
+            copied = "" if copy is None else f", in the {copy.top.where} call whose output row {copy.row} this row's " \
+                f"{copy.name} copies"  # (its rows read by content: checks/memrows.py)
+            whose = f"encoder's own self-attention ({encoded.where}{copied})" if encoded is not None \
                 else source if tiled else source.replace(" of ", " given to ", 1)
             though = "" if encoded is None or source == f"the mask of {encoded.where}" else \
                 f", though the {source.replace(' of ', ' given to ', 1)} calls it real"

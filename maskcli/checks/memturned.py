@@ -22,6 +22,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, first_cell, keep
 from maskcli.checks.held import edge_runs
+from maskcli.checks.memrows import copied_rows, encoder_runs
 from maskcli.checks.real import read_off
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -57,6 +58,7 @@ class Encoded(NamedTuple):
     real: np.ndarray
     where: str
     known: bool
+    copied: tuple = ()  # per row, where the rows were read by content (memrows.Copied: the output row its memory copies)
 
 
 def encoder_padding(run: Run, call, read: dict | None = None) -> Encoded | None:
@@ -71,6 +73,9 @@ def encoder_padding(run: Run, call, read: dict | None = None) -> Encoded | None:
 
     read = {} if read is None else read
     rows, _, _, k_len = call.shape
+    copied = copied_rows(run, call, rows, read)  # (its rows copies of earlier outputs' rows: checks/memrows.py)
+    if copied is not None:
+        return _by_content(run, copied, k_len, read)
     top = run.top(call)
     crossing_tops = read.get("tops")
     if crossing_tops is None:
@@ -89,7 +94,38 @@ def encoder_padding(run: Run, call, read: dict | None = None) -> Encoded | None:
         if key not in read:
             read[key] = _stated(other, mine, batch, k_len)
         if read[key] is not None:
+            if batch != rows and mine is not top and encoder_runs(run, mine, k_len, read) > 1:
+                return None  # (several encoder runs back to back: the memory may be rows of any of them, memrows.py)
             return read[key] if batch == rows else _expanded(read[key], top, rows)
+    return None
+
+
+def _by_content(run: Run, copied: list, k_len: int, read: dict) -> Encoded | None:
+    """The padding of each memory row read off the encoder call whose output row it copies (memrows.copied_rows):
+    that call's last self-attention over `k_len` keys of its own rows (_stated). A row that copies none, or one whose
+    encoder states its padding no way read here, is left all real: it is not judged by another row's encoder."""
+    real, where = np.ones((len(copied), k_len), bool), None
+    for at, one in enumerate(copied):
+        if one is None:
+            continue
+        key = ("content", id(one.top), k_len)
+        if key not in read:
+            read[key] = _own_run(run, one.top, k_len)
+        encoded = read[key]
+        if encoded is not None and encoded.known and one.row < encoded.real.shape[0]:
+            real[at], where = encoded.real[one.row], where or encoded.where
+    return None if where is None else Encoded(real, where, True, tuple(copied))
+
+
+def _own_run(run: Run, mine, k_len: int) -> Encoded | None:
+    """What the latest square self-attention over `k_len` keys of one model call states of its rows' padding."""
+    held = mine.arguments.get("output_rows")
+    rows = len(next(iter(held.values()))) if isinstance(held, dict) and held else None
+    for other in reversed(run.made_by(mine)):
+        if other.shape[0] == rows and other.shape[2] == other.shape[3] == k_len and other.stored is not None:
+            found = _stated(other, mine, rows, k_len)
+            if found is not None:
+                return found
     return None
 
 

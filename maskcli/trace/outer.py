@@ -15,6 +15,7 @@ import weakref
 import torch
 
 import maskcli.trace.assigned as assigned
+import maskcli.trace.outrows as outrows
 from maskcli.trace.convpad import adopt, stated_frames
 from maskcli.trace.rewritten import rewrites
 
@@ -117,7 +118,7 @@ class Outer:
         self._outers[threading.get_ident()] = held
         if id(module) not in self._handles:  # (this call ends without the hook: finished later, a mask it was handed
             if _masks_handed(module, args, kwargs) or rewrites(self).begun(id(held)):  # changed maybe, and what it
-                self.poolrows.watch(frame, lambda _, held=held: self._ended(held))  # wrote into its batches: read as
+                self.poolrows.watch(frame, lambda value, held=held: self._ended(held, value))  # wrote into its batches: read as
             self.poolrows.first_call(frame, module, args, kwargs, held, self._follow)  # it returns; a profile function
             # runs while it is watched: only where it was handed a mask or a batch)
             self._handles[id(module)] = (module.register_forward_pre_hook(self._outer_pre),
@@ -153,12 +154,13 @@ class Outer:
         self.__dict__["_called_kept"] = (frame, found)
         return found
 
-    def _ended(self, held: list) -> None:
+    def _ended(self, held: list, output=None) -> None:
         """A module's first outermost call returned (its frame's return: no hook of its own ran): what it wrote into the
         batches it was handed (trace/rewritten.py, as _outer_post reads it), and the small tensors it was handed copied
-        as they are now, where the call is not finished yet (_finish reads them)."""
+        as they are now, where the call is not finished yet (_finish reads them), with its output's rows hashed."""
         rewrites(self).end(id(held), held[4], self.sites.shown(held[1]))
         if held[0] is not None:
+            held[6] = {**(held[6] or {}), **outrows.output_rows(output)}  # (which rows a later memory copies: outrows.py)
             self.__dict__.setdefault("_then", {})[id(held)] = (held, _then(held[2], held[3]))
 
     def _outer_pre(self, module, args) -> None:
@@ -172,6 +174,8 @@ class Outer:
         held = self._local.outer
         if held is not None and held[1] is module:
             rewrites(self).end(id(held), held[4], self.sites.shown(module))  # (as it ends: trace/rewritten.py)
+            if held[0] is not None:
+                held[6] = {**(held[6] or {}), **outrows.output_rows(output)}  # (its output's rows hashed: outrows.py)
             with self._lock:
                 self._finish(held)
             if output is not None and self.poolrows.note(output, module, args, kwargs, held[4], held[5]):
