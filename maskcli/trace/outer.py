@@ -7,6 +7,8 @@ finished as they end (what the checks read of each: tops.py). A trace mixes this
 
 from __future__ import annotations
 
+import sys
+
 import functools
 import os
 import threading
@@ -71,6 +73,16 @@ def _as_then(value, then: dict):
     return held[2] if changed else value
 
 
+def _forward(frame, found: list):
+    """The frame of the module's `forward` that `frame` (its _call_impl, or that forward itself) runs, or None."""
+    if frame.f_code.co_name == "forward":
+        return frame
+    walk = found[-2][1] if len(found) > 1 else sys._getframe(1)
+    while walk is not None and walk.f_back is not frame:
+        walk = walk.f_back
+    return walk
+
+
 class Outer:
     """Trace's outermost module calls (capture.py's Trace mixes this in)."""
 
@@ -113,6 +125,8 @@ class Outer:
             kept = {}
         kept["state_writes"] = assigned.WRITES[0]  # (module state assigned so far: checks/continued.py)
         local.outer = held = [frame, module, args, kwargs, first, len(self._calls), kept]
+        if id(module) not in self._handles:  # (a first call, unhooked: its forward's frame, read as it returned)
+            self.__dict__.setdefault("_forwards", {})[id(held)] = _forward(frame, found)
         rewrites(self).begin(id(held), first, module, args, kwargs)  # (its batches' masks as it began: trace/rewritten.py)
         adopt(self, held, found[-1][1])  # (its convolutions before this first attention call: trace/convpad.py)
         self._outers[threading.get_ident()] = held
@@ -187,6 +201,7 @@ class Outer:
         if frame is None:  # (finished already)
             return
         held[0] = None  # (its frame let go: the program's variables are its own again)
+        forward = self.__dict__.get("_forwards", {}).pop(id(held), None)
         then = self.__dict__.get("_then", {}).pop(id(held), None)
         if then is not None and then[0] is held:  # (a module's first call, finished after it returned: what it was
             then = then[1]  # handed that the program changed since, as it was when the call returned)
@@ -209,6 +224,8 @@ class Outer:
         where = self.sites.shown(module)
         rewrites(self).drop(id(held))  # (what it was handed, let go where its end was not seen: trace/rewritten.py)
         kept = {**(kept or {}), **table_positions(module, self._local)}  # (the rows its table of positions was read at)
+        if "output_rows" not in kept and forward is not None:  # (a first call whose return was not seen: its
+            kept.update(outrows.returned_rows(forward))  # forward's locals as it returned, outrows.py)
         try:  # (the program's objects read: a config whose attribute access raises must not reach it)
             found = None if losses else later(where, module, args, kwargs, first, end, kept)
             if found is None:  # (made now: its arguments may change behind it; else once the run is over, made())

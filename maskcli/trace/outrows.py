@@ -8,9 +8,17 @@ rows one to one. A copy keeps a row's bytes: the hash of each row of the output 
 same rows cast to the half types (a pipeline may hand its transformer the encoder's float32 output in float16 or
 bfloat16), is matched against the row hashes trace/samplerows.py keeps of a later call's memory argument
 (checks/memrows.py). Read once per outermost call as it returns, at most MOST elements, on the call's own device.
+
+A module's first outermost call runs without trace's hooks (they are set inside it, at its first attention call)
+and its return is watched only where it was handed a mask: where it was not (an encoder handed its ids alone, its
+padding mask built inside), its return value is not seen, and its frame's locals as it returned are read instead
+(returned_rows): a (B, L, D) float tensor the forward held when it returned, its output where it returns one it
+named. A memory that copies none of them matches no row, as before.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -33,6 +41,38 @@ def _states(output):
     return None
 
 
+def returned_rows(frame) -> dict:
+    """{"output_rows": {name: (one hash per batch row)}} of the (B, L, D) float tensors a returned forward's frame held
+    (its locals as it returned; one batch size, the one most of them have), else {} (also where the frame still runs)."""
+    try:
+        live = sys._getframe()
+        while live is not None:
+            if live is frame:
+                return {}
+            live = live.f_back
+        with unseen(), torch.no_grad():
+            held = [(name, value) for name, value in frame.f_locals.items() if _states(value) is not None]
+            if not held:
+                return {}
+            sizes = [value.shape[0] for _, value in held]
+            batch = max(set(sizes), key=sizes.count)
+            found = {}
+            for name, value in held:
+                if value.shape[0] == batch:
+                    found.update(_hashed(value, f"{name}:"))
+    except (Exception, SystemExit):  # noqa: BLE001 - the program's objects stay its own
+        return {}
+    return {"output_rows": found} if found else {}
+
+
+def _hashed(states, prefix: str = "") -> dict:
+    """{prefix + dtype name: row hashes} of a float tensor, and of its casts to the half types where it is float32."""
+    found = {f"{prefix}{states.dtype}": _rows(states)}
+    if states.dtype == torch.float32:
+        found.update({f"{prefix}{half}": _rows(states.to(half)) for half in HALVES})
+    return {name: rows for name, rows in found.items() if rows is not None}
+
+
 def output_rows(output) -> dict:
     """{"output_rows": {dtype name: (one hash per batch row)}} of an outermost call's output, else {}."""
     try:
@@ -40,9 +80,7 @@ def output_rows(output) -> dict:
             states = _states(output)
             if states is None:
                 return {}
-            found = {str(states.dtype): _rows(states)}
-            if states.dtype == torch.float32:
-                found.update({str(half): _rows(states.to(half)) for half in HALVES})
+            found = _hashed(states)
     except (Exception, SystemExit):  # noqa: BLE001 - the program's output stays its own
         return {}
-    return {"output_rows": {name: rows for name, rows in found.items() if rows is not None}}
+    return {"output_rows": found}
