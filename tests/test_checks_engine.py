@@ -363,6 +363,7 @@ _FLEX = {"packed_documents_flex_cu_seqlens", "self_forcing_block_causal_video", 
          "modded_nanogpt_flex_long_short_window_blockmasks", "flex_packed_prefix_lm_documents_and_or_masks_softcap",
          "nat_neighborhood_attention_flex_clamped_windows",
          "lingua_mask_string_causal_sdpa_flex_block_causal", "trl_dpo_padding_free_position_ids_flex_document_mask",
+         "quiet_lingua_flex_doc_causal_block_mask",
          "quiet_selfforcing_wan_blockwise_causal_flex", "quiet_torchtune_packed_flex_block_causal",
          "quiet_transfusion_pytorch_flex_modality_bidirectional_spans", "quiet_self_forcing_wan_blockwise_causal_frame_flex_mask"}
 # softmax over the queries (slot attention's slots compete for each input): not attention over keys, so no call is
