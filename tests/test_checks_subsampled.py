@@ -153,3 +153,27 @@ def test_espnet_conv2d_wo_posenc_mask_sliced_over_the_padded_batch(tmp_path):
     [hit] = check_bug(tmp_path, "espnet_contextual_block_conv2d_wo_posenc_mask_sliced_from_padded_width", "padded-frames-attended")
     real = made(288, [conv1d(3, 2), conv1d(3, 2)])
     assert real == 71 and hit["cell"][0] == 1 and hit["cell"][2] == real, hit
+
+
+def test_sglang_omni_minicpmo_chunk_mask_anded_with_mel_lengths(tmp_path):
+    """sgl-project/sglang-omni#1879 (written blind, batch blind-gb): MiniCPM-o's audio encoder ands its chunked-causal
+    mask with `arange(T) < lens`, lens still counted in mel frames before the stride-2 conv2: the 24-frame clip keeps
+    every one of the 20 frames, where the convolutions (k3/s1/p1, k3/s2/p1) make 12 of its 24 mel frames. A chunked
+    mask, not a key padding: the keys the row's real frames see are read. The fix (lengths after the conv) is quiet."""
+    [hit] = check_bug(tmp_path, "sglang_omni_minicpmo_audio_key_mask_mel_lengths_after_conv", "padded-frames-attended")
+    x = torch.zeros(1, 1, 24)
+    real = torch.nn.Conv1d(1, 1, 3, stride=2, padding=1)(torch.nn.Conv1d(1, 1, 3, padding=1)(x)).shape[-1]
+    assert hit["cell"] == [1, 0, real] and f"make {real} frames of them" in hit["message"], hit
+
+
+def test_a_streaming_chunk_mask_with_lengths_never_subsampled(tmp_path):
+    """Written another way: WeNet's Conv2dSubsampling4 (two 3x3 stride-2 convolutions, no padding) and its
+    subsequent_chunk_mask (chunk 4) and'd with a key padding from `xs_lens` as handed in; a hand-written masked_fill
+    softmax, three utterances. The first cell is a double loop's: the keys a real frame of row 1 sees (its chunk and
+    every earlier one, within the unsubsampled length) at or past the frames its 41 inputs make. --fixed is quiet."""
+    name = "streaming_chunk_mask_lengths_not_subsampled"
+    [hit] = check_bug(tmp_path, name, "padded-frames-attended", SUBSAMPLED)
+    real, frames, chunk, given = made(41, [conv1d(3, 2), conv1d(3, 2)]), made(64, [conv1d(3, 2), conv1d(3, 2)]), 4, 41
+    bad = sorted({k for q in range(real) for k in range(frames) if k < min((q // chunk + 1) * chunk, frames)
+                  and k < given and k >= real})
+    assert bad and hit["cell"] == [1, 0, bad[0]] and f"keeps frames {bad[0]}-{bad[-1]} of that row" in hit["message"], hit

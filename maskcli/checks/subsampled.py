@@ -11,7 +11,9 @@ subsampled `[:-2:2]`, the first sample of each receptive field, where the last o
 
 Read only where the stack's layers, in the order the model registers them, map the held padding's S exactly to the
 call's L keys (the layers up to there: a positional convolution or an adapter after them is not counted), the call is
-a self-attention whose every query of a row sees the same keys (key padding), and the held padding is a padded batch
+a self-attention (where its queries of a row see different keys, a chunked or causal streaming mask, the keys a row's
+real frames see: sglang-omni#1879's MiniCPM-o audio encoder, its chunk mask and'd with lengths still counted in mel
+frames before the stride-2 convolution, keeps every frame of a shorter clip), and the held padding is a padded batch
 (one run of real samples from the start of each row), its rows the call's or folded with other rows (fairseq's
 `bsz * num_heads`: every way round the fold is read must keep a padded frame). Stays quiet on frames hidden that the stack calls real
 (frames.py says that of an unpadded row), and where a layer's padding is not a number ("same"). The held padding may be
@@ -104,9 +106,8 @@ def _finding(call, convs: tuple, helds: list, rows: int, k_len: int) -> Finding 
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, rows):
         return None
-    seen = _key_padding(np.broadcast_to(cells.any(axis=1), (rows, k_len, k_len)))
-    if seen is None:
-        return None
+    union = np.broadcast_to(cells.any(axis=1), (rows, k_len, k_len))
+    seen = _key_padding(union)  # (else a chunked, windowed or causal mask: the keys the row's real frames see, below)
     for held in helds:
         size = held["rows"].shape[0] if held["rows"].ndim else 0
         if size < 2 or rows % size:
@@ -119,8 +120,10 @@ def _finding(call, convs: tuple, helds: list, rows: int, k_len: int) -> Finding 
         if layers is None:
             continue
         made, bads = _out_all(real, layers), []
+        at = np.arange(k_len)[None, :]
         for each in _folds(size, rows):  # (a batch folded with its heads: every way round must hold the frames)
-            bads.append((each, seen & (np.arange(k_len)[None, :] >= made[each][:, None])))
+            keys = seen if seen is not None else (union & (at < made[each][:, None])[:, :, None]).any(axis=1)
+            bads.append((each, keys & (at >= made[each][:, None])))
         if not all(bad.any() for _, bad in bads):
             continue
         each, bad = min(bads, key=lambda read: int(read[1].sum()))  # (the reading that keeps the fewest: the fold's own)
