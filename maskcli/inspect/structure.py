@@ -76,22 +76,25 @@ REBUILD_CELLS = 1 << 24  # cells of a candidate built cell by cell to compare wi
 
 
 def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None = None, compared: bool = False,
-             known: dict | None = None) -> Mask | None:
+             known: dict | None = None, matched: bool = False) -> Mask | None:
     """The Mask when `expression` (a tree of terms, or text to parse) with `options` is exactly `keep` (B, H, Lq, Lk);
     a row of size 1 compares by broadcasting. A tree is compared on its terms first (`matching`, unless `compared`
     says the table did; `rows`: the tensor's first batch row and head as `runs` gives them): a Mask is built only
     for a candidate whose cells are the tensor's, and then checked on every batch row and head: on the positions the
-    table placed it at, where `known` holds them (`placed_at`), else placed again."""
+    table placed it at, where `known` holds them (`placed_at`), else placed again. `matched`: the table found its
+    intervals the tensor's `rows` (then a Mask made of those very intervals is not compared again)."""
     single = keep.shape[:2] == (1, 1) and keep.shape[2] != 1  # one batch row and head: its runs are all its cells
     if rows is None and (single or not isinstance(expression, str) and keep.shape[2] != 1 and not compared):
         rows = runs(keep[0, 0])
     if not isinstance(expression, str) and keep.shape[2] != 1 and not compared:
         if matching([(expression, options)], keep.shape[2:], rows)[0] is False:
             return None
+    made = None
     try:
         place = placed_at(options, known) if known is not None and not isinstance(expression, str) else None
         if place is not None and place != REFUSED:
-            built = from_terms(expression, place[0], options.get("heads", 1), made=made_of(expression, place, known))
+            made = made_of(expression, place, known)
+            built = from_terms(expression, place[0], options.get("heads", 1), made=made)
         else:
             built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
     except MaskError:
@@ -118,7 +121,9 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
         cells = built.dense()
         return built if bool((cells == keep).all()) else None
     if single and rows is not None and built.batch == 1 and built.exact and f.k_start == 0:  # on intervals: no
-        return built if bool(same_each(built.intervals(), rows)[0]) else None  # second Lq x Lk array of cells
+        if matched and made is not None and built.intervals() is made:  # second Lq x Lk array of cells; the very
+            return built  # intervals `matching` found the tensor's (no key padding cut them: made_of)
+        return built if bool(same_each(built.intervals(), rows)[0]) else None
     cells = built.dense()  # (B', 1, Lq', Lk)
     return built if np.array_equal(np.broadcast_to(cells, keep.shape), keep) else None
 
@@ -294,9 +299,10 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     # the tensor's cells as intervals, each candidate's compared to
     rows = ahead["read"][0] if ahead else runs(keep4[0, 0]) if q_len != 1 else None
 
-    def found(kind: str, tree, options: dict, reading: str = "mask", note: str = "", compared: bool = False) -> Structure | None:
+    def found(kind: str, tree, options: dict, reading: str = "mask", note: str = "", compared: bool = False,
+              matched: bool = False) -> Structure | None:
         options = {**options, **head_option}
-        built = _rebuild(tree, options, keep4, rows, compared, known if compared else None)
+        built = _rebuild(tree, options, keep4, rows, compared, known if compared else None, matched)
         if built is None:
             return None
         if "length" in options and "offset" not in options and "kv_len" not in options:
@@ -317,7 +323,7 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         if verdicts is None:
             verdicts = matching([(tree, options) for _, tree, options in placed], (q_len, k_len), rows, known) if q_len != 1 else [None] * len(placed)
         for (kind, tree, options), verdict in zip(placed, verdicts):
-            structure = found(kind, tree, options, compared=True) if verdict is not False else None  # None: a Mask's cells say
+            structure = found(kind, tree, options, compared=True, matched=verdict is True) if verdict is not False else None  # None: a Mask's cells say
             if structure is not None:
                 return structure
         return None
