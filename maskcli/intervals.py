@@ -211,15 +211,13 @@ def stacked(found: list[Intervals], q_len: int, k_len: int) -> Intervals:
 
 
 def same_each(got: Intervals, want: Intervals) -> np.ndarray:
-    """Bool (N,): whether each batch row of `got` holds the cells of `want`'s one (or, where `want` has N batch rows,
-    its own row of them), counted per row (as many in each, and all of them in both)."""
+    """Bool (N,): whether each batch row of `got` holds the cells of `want`'s one, counted per row (as many in each,
+    and all of them in both)."""
     counts = want.counts()
     same = (got.counts() == counts).all(axis=1)
     chosen = np.flatnonzero(same)  # as many cells in each row: only these are intersected (few, often none)
     if len(chosen):
         alike = Intervals(got.starts[chosen], got.ends[chosen], got.k_start, got.k_end)
-        if want.starts.shape[0] > 1:
-            want, counts = Intervals(want.starts[chosen], want.ends[chosen], want.k_start, want.k_end), counts[chosen]
         same[chosen] = ((alike & want).counts() == counts).all(axis=1)
     return same
 

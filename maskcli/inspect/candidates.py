@@ -344,14 +344,12 @@ def _matching_each(groups: list[tuple], shape: tuple[int, int]) -> list[list[boo
         if any(cut is not None for cut in cuts):  # each its own padding (none: every key)
             everything = Intervals(np.zeros((1, 1, 1), np.int64), np.full((1, 1, 1), k_len, np.int64), 0, k_len)
             got = got & stacked([everything if cut is None else cut for cut in cuts], q_len, k_len)
-        asked = sorted({item[0] for item in compared})
-        if len(asked) == 1:
-            want = groups[asked[0]][1]
-        else:  # each candidate's own group's runs, a batch row each
-            wants = stacked([groups[g][1] for g in asked], q_len, k_len)
-            which = np.array([asked.index(item[0]) for item in compared])
-            want = Intervals(wants.starts[which], wants.ends[which], 0, k_len)
-        same = same_each(got, want)
+        same = np.zeros(len(compared), dtype=bool)
+        for g in sorted({item[0] for item in compared}):  # each group's candidates (one after another) with its runs
+            at = [n for n, item in enumerate(compared) if item[0] == g]
+            lo, hi = at[0], at[-1] + 1
+            part = got if (lo, hi) == (0, len(compared)) else Intervals(got.starts[lo:hi], got.ends[lo:hi], got.k_start, got.k_end)
+            same[lo:hi] = same_each(part, groups[g][1])
         for (g, i, _, _), verdict in zip(compared, same):
             found[g][i] = bool(verdict)
     return found
