@@ -7,6 +7,7 @@ cell by cell, a band of rows at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,43 @@ from maskcli.mask import Mask
 
 DEFAULT_GRID = (32, 64)
 MAX_SPANS = 8
+
+
+@dataclass(frozen=True, eq=False)
+class Seen:
+    """One Mask as a view reads it, asked of the Mask once (`seen`): its positions, name and how its cells are
+    counted as plain values, and its cells and intervals as its own bound methods. A view (render/masks.py's
+    `mask_views`, show's empty rows, counting's blocks) reads these again and again: asked of the Mask, each would
+    be a call into mask.py. It is read where a Mask is (the same names); `mask` is the Mask itself."""
+
+    mask: Mask
+    text: str
+    frame: object
+    batch: int
+    heads: int
+    tree: object | None
+    expression: object | None
+    tokens: tuple[str, ...] | None
+    keep: np.ndarray | None
+    whole: object | None
+    shape: tuple[int, int, int, int]
+    title: str
+    q_offset: int
+    kv_offset: int
+    exact: bool
+    why_not_exact: str | None
+    counted: object | None
+    cells: Callable[..., np.ndarray]
+    intervals: Callable[[], object]
+    dense: Callable[[], np.ndarray]
+
+
+def seen(mask: Mask) -> Seen:
+    """What a view reads of `mask`, read once (its intervals made here where they are few, as a view's counts
+    need them; a kind's own counts only where they are not)."""
+    return Seen(mask, mask.text, mask.frame, mask.batch, mask.heads, mask.tree, mask.expression, mask.tokens,
+                mask.keep, mask.whole, mask.shape, mask.title, mask.q_offset, mask.kv_offset, mask.exact,
+                mask.why_not_exact, mask.counted, mask.cells, mask.intervals, mask.dense)
 
 
 @dataclass(frozen=True)

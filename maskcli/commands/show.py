@@ -124,7 +124,12 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
         page = mask_page(mask)
     for message in mask.warnings:
         warn(message)
-    empty = empty_rows(mask) if answers is None else None  # O(L) counts: --why stays one cell's work
+    shown = None
+    if answers is None:  # O(L) counts: --why stays one cell's work
+        from maskcli.summary import seen
+
+        shown = seen(mask)  # what the view reads, asked of the Mask once
+    empty = empty_rows(shown) if shown is not None else None
     if empty:
         warn(f"{empty}: softmax over nothing is NaN with an -inf fill (maskcli attend shows what each fill makes of it)")
     if save_path is not None:
@@ -170,7 +175,7 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
 
     console, map_width = wide_console()
     with progress("counting") as update:
-        views = mask_views(mask, convention, dtype_name, console, update, map_width)
+        views = mask_views(shown or mask, convention, dtype_name, console, update, map_width)
     for view in views:
         console.print(view)
 
@@ -182,14 +187,15 @@ def explain_cells(mask: Mask, cell: str) -> list:
     return [explain(mask, b, q, kv) for b, q, kv in parse_cell(cell, mask)]
 
 
-def empty_rows(mask: Mask) -> str | None:
+def empty_rows(mask) -> str | None:
     """'2 query rows see no key (3-4 of batch row 1)'; from the intervals or a kind's own counts, else from the
-    cells up to a few million."""
+    cells up to a few million. `mask`: a Mask, or what a view reads of one (summary.Seen)."""
     from maskcli.summary import row_counts, spans
 
     if mask.whole is not None:  # a region: a row sees what it sees among every key, not only those shown
         from dataclasses import replace
 
+        mask = getattr(mask, "mask", mask)
         mask = replace(mask, frame=replace(mask.frame, k_start=mask.whole.k_start, k_len=mask.whole.k_len))
     f = mask.frame
     if not mask.exact and mask.counted is None and mask.batch * f.q_len * f.k_len > 1 << 24:

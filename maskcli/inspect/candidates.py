@@ -27,7 +27,7 @@ from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew, same_each, stacked
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
 from maskcli.kinds.base import NOT_MADE, Kind, Profile, recognised
-from maskcli.kinds.padding import key_runs, row_blocks
+from maskcli.kinds.padding import key_runs, query_runs, row_blocks
 from maskcli.mask import MaskOptions
 from maskcli.positions import Frame
 from maskcli.terms import Term, placed_each
@@ -49,6 +49,11 @@ def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str, rows: Inte
     """What the kinds read candidates from: first and last visible key per row, in absolute positions. `rows`: `ref`'s
     runs where the caller has them (then read off them, O(L): a row's first run starts it, its last non-empty one
     ends it; else off the cells)."""
+    return Profile(**_profiled(ref, q_start, k_start, marked, rows))
+
+
+def _profiled(ref: np.ndarray, q_start: int, k_start: int, marked: str, rows: Intervals | None) -> dict:
+    """`profile`'s fields (a Profile is made where they are read: `read_each` makes both readings' in one go)."""
     q_len, k_len = ref.shape
     if rows is not None:
         starts, ends = rows.starts[0], rows.ends[0]  # (Lq, K), keys from 0, empty runs [Lk, Lk) last
@@ -57,15 +62,8 @@ def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str, rows: Inte
     else:
         seen = ref.any(axis=1)  # argmax of the bool rows, not a min over an int64 copy of every cell (L^2 x 8 bytes)
         first, last = np.where(seen, ref.argmax(axis=1), k_len), np.where(seen, _last(ref), -1)
-    return Profile(
-        q=np.arange(q_start, q_start + q_len),
-        first=first + k_start,
-        last=last + k_start,
-        seen=seen,
-        k_start=k_start,
-        k_end=k_start + k_len,
-        marked=marked,
-    )
+    return dict(q=np.arange(q_start, q_start + q_len), first=first + k_start, last=last + k_start, seen=seen,
+                k_start=k_start, k_end=k_start + k_len, marked=marked)
 
 
 def _last(ref: np.ndarray) -> np.ndarray:
@@ -92,28 +90,58 @@ def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str,
     candidate's intervals at its placement, before any key padding, are made in that same call and kept in `known`
     for `table` (`made_at`), except where its kinds hold what the tensor lacks there (`table` rules it out unmade)."""
     base = profile(ref, 0, 0, marked) if base is None else base
-    asks = []  # (order, profile, lacks, frame to make the intervals on, what rules a candidate out of being made)
-    for order, (options, q_start) in enumerate(placements):
-        seen = base if q_start == 0 else replace(base, q=base.q + q_start)
-        frame, rules_out = None, frozenset()
-        if made is not None and known is not None:
-            place = placed_at(options, known)
-            if place is not None and place != REFUSED and place[1] is None and made.starts.shape[1] == place[0].q_len:
-                frame, rules_out = place[0], _lacking_once(made, place[0], True, options, known)
-        asks.append((order, seen, lacks_at(rows, options, uncut, known), frame, rules_out))
+    return _candidates_each([(placements, base, rows, uncut, known, made)])[0][0]
+
+
+def _candidates_each(asked: list[tuple]) -> list[tuple[list[tuple[str, Term, dict]], Profile]]:
+    """`candidates` of several readings, (placements, profile or its fields, rows, uncut, known, made) each, in one
+    call: their Profiles made, every kind asked once for all of them (`recognised`), their Terms bound together.
+    Returns each reading's candidates and its Profile."""
+    bases = []
+    for placements, base, *_ in asked:  # (made here, one after another)
+        bases.append(Profile(**base) if isinstance(base, dict) else base)
+    asks, owners = [], []  # (order, profile, lacks, frame to make the intervals on, what rules a candidate out of being made)
+    for r, ((placements, _, rows, uncut, known, made), base) in enumerate(zip(asked, bases)):
+        for order, (options, q_start) in enumerate(placements):
+            seen = base if q_start == 0 else replace(base, q=base.q + q_start)
+            frame, rules_out = None, frozenset()
+            if made is not None and known is not None:
+                place = placed_at(options, known)
+                if place is not None and place != REFUSED and place[1] is None and made.starts.shape[1] == place[0].q_len:
+                    frame, rules_out = place[0], _lacking_once(made, place[0], True, options, known)
+            asks.append((len(asks), seen, lacks_at(rows, options, uncut, known), frame, rules_out))
+            owners.append((r, order))
     read = recognised(all_kinds(), asks, MAX_LABELS)
-    found, made_at = [], {}
-    for kind, checked, order, intervals in read:
+    found, made_at = [[] for _ in asked], [{} for _ in asked]
+    for kind, checked, at, intervals in read:
         if checked is None:  # a value the kind refuses
             continue
+        r, order = owners[at]
         term = Term(kind, checked)
-        found.append((kind.name, term, placements[order][0]))
+        found[r].append((kind.name, term, asked[r][0][order][0]))
         if intervals is not NOT_MADE:
-            frame = asks[order][3]
-            made_at.setdefault(_where(frame), {})[id(term)] = (term, intervals)
-    for where, each in made_at.items():
-        known[("made", where)] = each
-    return found
+            made_at[r].setdefault(_where(asks[at][3]), {})[id(term)] = (term, intervals)
+    for (_, _, _, _, known, _), each in zip(asked, made_at):
+        for where, made in each.items():
+            known[("made", where)] = made
+    return list(zip(found, bases))
+
+
+def read_each(asked: list[tuple], shape: tuple[int, int]) -> list[tuple]:
+    """Both readings of one tensor (True = attend, True = masked) read as structure.recognise reads each, in one
+    call: their runs made together (`query_runs`), their profiles, every kind asked once for both (`recognised`), and
+    the candidates placed with no key padding compared with each one's runs. `asked`: per reading, (its first batch
+    row and head (Lq, Lk), the batch row with most keys and whether it is that first one, placements, marked, uncut,
+    the options every candidate takes (its heads), and `known`, the dict that recognition keeps). Returns per reading
+    (its runs, its profile, its candidates, and `matching`'s verdicts on them with those options)."""
+    rows_each = query_runs([item[0] for item in asked], "the tensor")
+    fields = [_profiled(ref, 0, 0, marked, rows if first else None)
+              for (_, ref, first, _, marked, _, _, _), rows in zip(asked, rows_each)]
+    read = _candidates_each([(placements, each, rows, uncut, known, rows)
+                             for (_, _, _, placements, _, uncut, _, known), each, rows in zip(asked, fields, rows_each)])
+    verdicts = _matching_each([([(tree, {**options, **extra}) for _, tree, options in found], rows, known)
+                               for (_, _, _, _, _, _, extra, known), (found, _), rows in zip(asked, read, rows_each)], shape)
+    return [(rows, base, found, each) for rows, (found, base), each in zip(rows_each, read, verdicts)]
 
 
 def _where(frame: Frame) -> tuple[int, int, int, int]:
@@ -288,29 +316,43 @@ def matching(listed: list[tuple[object, dict]], shape: tuple[int, int], rows: In
     gives them, None where a row has more runs than a few), False where they are not or mask.placed refuses it,
     None where the terms cannot say alone (then a Mask's cells must). Every candidate placed by `table`, then
     compared in one pass: one stack of intervals, a batch row per candidate, cut by its key padding."""
-    verdicts: list[bool | None] = []
-    compared = []  # (index, frame, intervals, cut)
-    for i, seen in enumerate(table(listed, rows, known)):
-        verdicts.append(False if seen in (REFUSED, RULED_OUT) else None)
-        if seen is not None and seen not in (REFUSED, RULED_OUT):
-            frame, got, cut = seen
-            if (frame.q_len, frame.k_len) != shape:
-                verdicts[i] = False
-            elif rows is None:  # a row of the tensor has more runs than a few; the candidate's, cut, fewer
-                verdicts[i] = False if got.per_row + (cut.per_row if cut is not None else 0) <= MAX_PER_ROW else None
-            else:
-                compared.append((i, got, cut))
+    return _matching_each([(listed, rows, known)], shape)[0]
+
+
+def _matching_each(groups: list[tuple], shape: tuple[int, int]) -> list[list[bool | None]]:
+    """`matching` of several groups, (listed, rows, known) each (the readings of one tensor: each its own runs), in
+    one pass: every candidate of every group stacked, each compared with its group's runs."""
+    found: list[list[bool | None]] = []
+    compared = []  # (group, index, intervals, cut)
+    for g, (listed, rows, known) in enumerate(groups):
+        verdicts: list[bool | None] = []
+        for i, seen in enumerate(table(listed, rows, known)):
+            verdicts.append(False if seen in (REFUSED, RULED_OUT) else None)
+            if seen is not None and seen not in (REFUSED, RULED_OUT):
+                frame, got, cut = seen
+                if (frame.q_len, frame.k_len) != shape:
+                    verdicts[i] = False
+                elif rows is None:  # a row of the tensor has more runs than a few; the candidate's, cut, fewer
+                    verdicts[i] = False if got.per_row + (cut.per_row if cut is not None else 0) <= MAX_PER_ROW else None
+                else:
+                    compared.append((g, i, got, cut))
+        found.append(verdicts)
     if compared:
         q_len, k_len = shape
-        got = stacked([item[1] for item in compared], q_len, k_len)
-        cuts = [item[2] for item in compared]
+        got = stacked([item[2] for item in compared], q_len, k_len)
+        cuts = [item[3] for item in compared]
         if any(cut is not None for cut in cuts):  # each its own padding (none: every key)
             everything = Intervals(np.zeros((1, 1, 1), np.int64), np.full((1, 1, 1), k_len, np.int64), 0, k_len)
             got = got & stacked([everything if cut is None else cut for cut in cuts], q_len, k_len)
-        same = same_each(got, rows)
-        for (i, _, _), verdict in zip(compared, same):
-            verdicts[i] = bool(verdict)
-    return verdicts
+        same = np.zeros(len(compared), dtype=bool)
+        for g in sorted({item[0] for item in compared}):  # each group's candidates (one after another) with its runs
+            at = [n for n, item in enumerate(compared) if item[0] == g]
+            lo, hi = at[0], at[-1] + 1
+            part = got if (lo, hi) == (0, len(compared)) else Intervals(got.starts[lo:hi], got.ends[lo:hi], got.k_start, got.k_end)
+            same[lo:hi] = same_each(part, groups[g][1])
+        for (g, i, _, _), verdict in zip(compared, same):
+            found[g][i] = bool(verdict)
+    return found
 
 
 def runs(keep: np.ndarray) -> Intervals | None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.expression import parse
-from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, made_of, matching, placed_at, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
+from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, made_of, matching, placed_at, on_terms, profile, read_each, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
 from maskcli.intervals import Intervals, NotFew, same_each
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds.padding import key_runs
@@ -76,22 +76,25 @@ REBUILD_CELLS = 1 << 24  # cells of a candidate built cell by cell to compare wi
 
 
 def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None = None, compared: bool = False,
-             known: dict | None = None) -> Mask | None:
+             known: dict | None = None, matched: bool = False) -> Mask | None:
     """The Mask when `expression` (a tree of terms, or text to parse) with `options` is exactly `keep` (B, H, Lq, Lk);
     a row of size 1 compares by broadcasting. A tree is compared on its terms first (`matching`, unless `compared`
     says the table did; `rows`: the tensor's first batch row and head as `runs` gives them): a Mask is built only
     for a candidate whose cells are the tensor's, and then checked on every batch row and head: on the positions the
-    table placed it at, where `known` holds them (`placed_at`), else placed again."""
+    table placed it at, where `known` holds them (`placed_at`), else placed again. `matched`: the table found its
+    intervals the tensor's `rows` (then a Mask made of those very intervals is not compared again)."""
     single = keep.shape[:2] == (1, 1) and keep.shape[2] != 1  # one batch row and head: its runs are all its cells
     if rows is None and (single or not isinstance(expression, str) and keep.shape[2] != 1 and not compared):
         rows = runs(keep[0, 0])
     if not isinstance(expression, str) and keep.shape[2] != 1 and not compared:
         if matching([(expression, options)], keep.shape[2:], rows)[0] is False:
             return None
+    made = None
     try:
         place = placed_at(options, known) if known is not None and not isinstance(expression, str) else None
         if place is not None and place != REFUSED:
-            built = from_terms(expression, place[0], options.get("heads", 1), made=made_of(expression, place, known))
+            made = made_of(expression, place, known)
+            built = from_terms(expression, place[0], options.get("heads", 1), made=made)
         else:
             built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
     except MaskError:
@@ -118,7 +121,9 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
         cells = built.dense()
         return built if bool((cells == keep).all()) else None
     if single and rows is not None and built.batch == 1 and built.exact and f.k_start == 0:  # on intervals: no
-        return built if bool(same_each(built.intervals(), rows)[0]) else None  # second Lq x Lk array of cells
+        if matched and made is not None and built.intervals() is made:  # second Lq x Lk array of cells; the very
+            return built  # intervals `matching` found the tensor's (no key padding cut them: made_of)
+        return built if bool(same_each(built.intervals(), rows)[0]) else None
     cells = built.dense()  # (B', 1, Lq', Lk)
     return built if np.array_equal(np.broadcast_to(cells, keep.shape), keep) else None
 
@@ -194,14 +199,60 @@ def readings(ones: np.ndarray, key_padding: bool = False) -> list[tuple[str, Str
     """A bool tensor read both ways round, for polarity to score (one call, not one per reading): for True = attend
     and True = masked, (that meaning, the Structure that rebuilds it read so, whether some query then sees no key)."""
     found, places = [], {}  # (the placements' Frames, made once for both readings)
-    for meaning, keep in (("attend", ones), ("masked", ~ones)):
-        found.append((meaning, recognise(keep, key_padding=key_padding, marked=meaning, places=places),
+    both = (("attend", ones), ("masked", ~ones))
+    for (meaning, keep), ahead in zip(both, _read_both(both, places)):
+        found.append((meaning, recognise(keep, key_padding=key_padding, marked=meaning, places=places, ahead=ahead),
                       bool(fully_masked_rows(keep).any())))
     return found
 
 
+def _read_both(both, places: dict) -> list[dict | None]:
+    """What `recognise` reads of each reading before it compares a candidate's Mask, read for both readings in one
+    call (`candidates.read_each`: their runs, profiles, candidates and the first table's verdicts), where both take
+    that path (one head, more queries than one and no more than keys); else None each: each reads its own."""
+    batch, heads, q_len, k_len = both[0][1].shape
+    if heads != 1 or q_len == 1 or q_len > k_len:
+        return [None] * len(both)
+    setups, asked = [], []
+    for meaning, keep in both:
+        setup = _setup(keep4=keep, q_start=None)
+        seen = setup[1]
+        padding = _padding_options(seen) if not bool(seen.all()) else None
+        known = {"places": places}
+        setups.append((setup, padding, known))
+        asked.append((keep[0, 0], setup[3], setup[2] == 0, setup[6], meaning, padding is None, {}, known))
+    read = read_each(asked, (q_len, k_len))
+    lacks = []  # what the composites are ruled out by, read once too (a loop: in this frame, right after read_each)
+    for each, (_, _, known) in zip(read, setups):
+        lacks.append(lacks_at(each[0], {"length": q_len}, True, known) if q_len == k_len <= MAX_LABELS else frozenset())
+    return [{"setup": setup, "padding": padding, "known": known, "read": each, "lacks": lacked}
+            for (setup, padding, known), each, lacked in zip(setups, read, lacks)]
+
+
+def _setup(keep4: np.ndarray, q_start: int | None) -> tuple:
+    """(keep's first head, keys some query sees per batch row, the batch row with the most keys and its cells, the
+    queries' column at the end of the keys, the options placing them there, every placement tried, whether
+    `q_start` placed them): where recognise reads a tensor from."""
+    batch, heads, q_len, k_len = keep4.shape
+    keep = keep4[:, :1]
+    seen = keep[:, 0].any(axis=1)  # (B, Lk): keys that some query sees
+    chosen = int(seen.sum(axis=1).argmax())
+    ref = keep[chosen, 0]  # the batch row with the most keys in use
+    at_end = k_len - q_len
+    base = {"length": q_len, **({"offset": at_end} if at_end else {})}
+    placements = [(base, at_end)] + ([({"length": q_len, "kv_len": k_len}, 0)] if at_end else [])
+    placed = q_start is not None and 0 <= q_start < at_end
+    if placed:  # the program says where the queries sit: that placement first, and the keys after them are later
+        base = {"length": q_len, "kv_len": k_len, **({"offset": q_start} if q_start else {})}
+        placements = [(base, q_start)] + [p for p in placements if p[1] != q_start]
+        seen = seen.copy()
+        seen[:, q_start + q_len:] = True  # keys no query sees for being later are not padding
+    return keep, seen, chosen, ref, at_end, base, placements, placed
+
+
 def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "attend", nearest: bool = False,
-              q_start: int | None = None, padding: dict | None = None, places: dict | None = None) -> Structure:
+              q_start: int | None = None, padding: dict | None = None, places: dict | None = None,
+              ahead: dict | None = None) -> Structure:
     """The expression (and options) whose mask is exactly this keep mask (B, H, Lq, Lk), or expression None.
 
     The queries are taken to sit at the end of the keys (bottom-right, as a cache puts them).
@@ -214,6 +265,7 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     `padding`: the key padding the call's own key-padding argument gave (maskcli.keypadding fields; {} for none),
     where it had one: then that is the padding, not keys that no query sees (an inverted mask's first key).
     `places`: the placements another reading of the same tensor worked out (candidates.placed_at), shared.
+    `ahead`: what `_read_both` read of this reading with the other one (its runs, candidates and first verdicts).
     """
     batch, heads, q_len, k_len = keep4.shape
     if heads > 1 and not bool((keep4 == keep4[:, :1]).all()):
@@ -235,30 +287,22 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
                 return Structure(kind, options, built, command_for(kind, options), "mask", kind=kind)
         return Structure(None, note=f"more queries ({q_len}) than keys ({k_len}): maskcli puts the queries among the keys")
     head_option = {"heads": heads} if heads > 1 else {}
-    keep = keep4[:, :1]
-    seen = keep[:, 0].any(axis=1)  # (B, Lk): keys that some query sees
-    chosen = int(seen.sum(axis=1).argmax())
-    ref = keep[chosen, 0]  # the batch row with the most keys in use
-    at_end = k_len - q_len
-    base = {"length": q_len, **({"offset": at_end} if at_end else {})}
-    placements = [(base, at_end)] + ([({"length": q_len, "kv_len": k_len}, 0)] if at_end else [])
-    placed = q_start is not None and 0 <= q_start < at_end
-    if placed:  # the program says where the queries sit: that placement first, and the keys after them are later
-        base = {"length": q_len, "kv_len": k_len, **({"offset": q_start} if q_start else {})}
-        placements = [(base, q_start)] + [p for p in placements if p[1] != q_start]
-        seen = seen.copy()
-        seen[:, q_start + q_len:] = True  # keys no query sees for being later are not padding
+    keep, seen, chosen, ref, at_end, base, placements, placed = ahead["setup"] if ahead else _setup(keep4, q_start)
     stated = bool(padding)
-    if padding is not None:
+    if ahead is not None:
+        padding = ahead["padding"]
+    elif padding is not None:
         padding = padding or None
     else:
         padding = _padding_options(seen) if not bool(seen.all()) else None
 
-    rows = runs(keep4[0, 0]) if q_len != 1 else None  # the tensor's cells as intervals, each candidate's compared to
+    # the tensor's cells as intervals, each candidate's compared to
+    rows = ahead["read"][0] if ahead else runs(keep4[0, 0]) if q_len != 1 else None
 
-    def found(kind: str, tree, options: dict, reading: str = "mask", note: str = "", compared: bool = False) -> Structure | None:
+    def found(kind: str, tree, options: dict, reading: str = "mask", note: str = "", compared: bool = False,
+              matched: bool = False) -> Structure | None:
         options = {**options, **head_option}
-        built = _rebuild(tree, options, keep4, rows, compared, known if compared else None)
+        built = _rebuild(tree, options, keep4, rows, compared, known if compared else None, matched)
         if built is None:
             return None
         if "length" in options and "offset" not in options and "kv_len" not in options:
@@ -272,12 +316,14 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
             note = (note + " " if note else "") + f"(the file repeats it for each of its {batch} batch rows)"
         return Structure(expression, options, built, command_for(expression, options), reading, note, kind=kind)
 
-    def first(listed: list[tuple[str, object, dict]]) -> Structure | None:
-        """The first of the candidates that rebuilds the tensor: all of them compared in one `matching`."""
+    def first(listed: list[tuple[str, object, dict]], verdicts: list | None = None) -> Structure | None:
+        """The first of the candidates that rebuilds the tensor: all of them compared in one `matching` (`verdicts`:
+        where it was, as `_read_both` does the first)."""
         placed = [(kind, tree, {**options, **head_option}) for kind, tree, options in listed]
-        verdicts = matching([(tree, options) for _, tree, options in placed], (q_len, k_len), rows, known) if q_len != 1 else [None] * len(placed)
+        if verdicts is None:
+            verdicts = matching([(tree, options) for _, tree, options in placed], (q_len, k_len), rows, known) if q_len != 1 else [None] * len(placed)
         for (kind, tree, options), verdict in zip(placed, verdicts):
-            structure = found(kind, tree, options, compared=True) if verdict is not False else None  # None: a Mask's cells say
+            structure = found(kind, tree, options, compared=True, matched=verdict is True) if verdict is not False else None  # None: a Mask's cells say
             if structure is not None:
                 return structure
         return None
@@ -295,22 +341,26 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         alone = found("padding", bare("padding"), {**base, **padding})  # (not sink(n) or prefix(n), the same cells by chance)
         if alone is not None:
             return alone
-    rows_read = profile(ref, 0, 0, marked, rows if chosen == 0 else None)  # once: each placement, and the composites, read it
-    # once: the placements read the same with and without the padding (so only what padding cannot cut rules a kind
-    # out); every kind's where the closest is asked for (it may be a kind the tensor rules out)
-    known: dict = {} if places is None else {"places": places}  # each placement's positions and what the tensor lacks there, worked out once (placed_at)
-    read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None, known=known,
-                      made=rows)  # each candidate's intervals made as it is read, for `first`'s table
+    if ahead is not None:  # read with the other reading (`_read_both`), as below
+        known, (_, rows_read, read, verdicts) = ahead["known"], ahead["read"]
+    else:
+        rows_read = profile(ref, 0, 0, marked, rows if chosen == 0 else None)  # once: each placement, and the composites, read it
+        # once: the placements read the same with and without the padding (so only what padding cannot cut rules a kind
+        # out); every kind's where the closest is asked for (it may be a kind the tensor rules out)
+        known = {} if places is None else {"places": places}  # each placement's positions and what the tensor lacks there, worked out once (placed_at)
+        read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None, known=known,
+                          made=rows)  # each candidate's intervals made as it is read, for `first`'s table
+        verdicts = None
     for extra in [{}] if padding is None else [{}, padding]:
         if extra:
             alone = found("padding", bare("padding"), {**base, **extra})
             if alone is not None:
                 return alone
-        structure = first([(kind, tree, {**options, **extra}) for kind, tree, options in read])
+        structure = first([(kind, tree, {**options, **extra}) for kind, tree, options in read], None if extra else verdicts)
         if structure is None and q_len == k_len and k_len <= MAX_LABELS:  # then masks of two kinds
             from maskcli.inspect.composite import composites
 
-            lacks = frozenset() if extra else lacks_at(rows, {"length": q_len}, True, known)  # a form ruled out is not read
+            lacks = frozenset() if extra else ahead["lacks"] if ahead else lacks_at(rows, {"length": q_len}, True, known)  # a form ruled out is not read
             listed = [(kind, tree, {"length": q_len, **extra}) for kind, tree in composites(rows_read, ref, lacks)]
             structure = first(listed) if listed else None
         if structure is not None:

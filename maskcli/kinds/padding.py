@@ -22,7 +22,28 @@ def key_runs(valid: np.ndarray, frame, what: str = "the padding", queries: bool 
     query row of one batch row, (1, B, K) (a tensor's cells). Reads `valid` (B, S) by two comparisons of
     neighbouring columns, a block of rows at a time (a 20,000^2 tensor's rows: no copy of it, in any dtype).
     `frame`: anything with the keys' k_start and k_end."""
-    valid = np.asarray(valid)
+    first, last = _runs(np.asarray(valid), frame.k_end, what)
+    if queries:
+        return Intervals.of(first[None], last[None], frame.k_start, frame.k_end)
+    return Intervals.of(first[:, None, :], last[:, None, :], frame.k_start, frame.k_end)
+
+
+def query_runs(parts: list[np.ndarray], what: str) -> list[Intervals | None]:
+    """Each (Lq, Lk) matrix's cells as `key_runs` reads them with `queries` (keys 0..Lk), or None where a row has
+    more runs than a few: several matrices in one call (the two readings of one tensor), their Intervals made
+    together."""
+    found = []
+    for valid in parts:
+        try:
+            found.append(_runs(np.asarray(valid), valid.shape[1], what))
+        except NotFew:
+            found.append(None)
+    return [None if runs is None else Intervals.of(runs[0][None], runs[1][None], 0, valid.shape[1])
+            for runs, valid in zip(found, parts)]
+
+
+def _runs(valid: np.ndarray, k_end: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """(first, last) keys of each row's runs, (B, K) padded with k_end; NotFew past MAX_PER_ROW runs in a row."""
     batch, size = valid.shape
     stride = size + 1  # (a run's start and end keyed row * stride + column: its end may be `size`)
     found = [], []
@@ -37,14 +58,12 @@ def key_runs(valid: np.ndarray, frame, what: str = "the padding", queries: bool 
     width = max(1, int(counts.max(initial=0)))
     if width > MAX_PER_ROW:
         raise NotFew(f"{what}: a batch row has {width} separate runs of real tokens")
-    first = np.full((batch, width), frame.k_end, dtype=np.int64)
-    last = np.full((batch, width), frame.k_end, dtype=np.int64)
+    first = np.full((batch, width), k_end, dtype=np.int64)
+    last = np.full((batch, width), k_end, dtype=np.int64)
     rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
     first[rows, rank] = begin
     last[rows, rank] = finish
-    if queries:
-        return Intervals.of(first[None], last[None], frame.k_start, frame.k_end)
-    return Intervals.of(first[:, None, :], last[:, None, :], frame.k_start, frame.k_end)
+    return first, last
 
 
 def row_blocks(rows: int, size: int) -> list[slice]:
