@@ -454,3 +454,33 @@ def test_gpt_oss_eager_sink_logit_is_left_out_of_the_softmax_it_joins():
         assert np.array_equal(call.keep(), weights.numpy() > 0)
     assert [group.name for group in t.groups() if "self_attn" in group.where] == [
         "window(3) (--lengths 5,3 --pad left)", "causal (--lengths 5,3 --pad left)"]
+
+
+def test_a_tile_over_part_of_the_queries_or_keys_hf_handed_is_not_judged_by_hf_s_causal_word(tmp_path):
+    """A registered attention function that attends in tiles merged by log-sum-exp (flash's way, a ring's steps): its
+    unmasked tile (the last queries over the first keys, all earlier) was told hf-not-causal, its queries placed at the
+    end of its own keys. A kernel call over fewer queries or keys than the interface call is a part of it
+    (details['hf_part']), where its queries sit is the function's own split: no finding. The program checks its logits
+    against transformers' own sdpa."""
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    pytest.importorskip("transformers")
+    folder = Path(__file__).parent / "data" / "args"
+    status, found, report = traced(tmp_path, "hf_interface_tiled_causal_lse_merge_quiet", False, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_a_zigzag_ring_s_steps_are_not_judged_against_the_rank_s_own_tokens(tmp_path):
+    """360-LLaMA-Factory's zigzag ring SFT (commit 797b1490, written blind in blind-gd, ranks as threads): each rank's
+    steps attend half its queries or the other rank's half keys. Its fix was told hf-not-causal and padding-ignored
+    (another rank's keys read as this rank's tokens): quiet now. Its bug (positions restarted on each rank) is left."""
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    pytest.importorskip("transformers")
+    folder = Path(__file__).parent / "data" / "blind"
+    status, found, report = traced(tmp_path, "llamafactory360_zigzag_ring_sft_no_position_ids", True, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

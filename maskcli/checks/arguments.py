@@ -138,8 +138,8 @@ def padding(run: Run) -> list:
     found, done, statements, decoders, read = [], set(), {}, {}, {}
     for call in run.calls:
         top = run.top(call)
-        if top is None or call.stored is None or not top.arguments:
-            continue
+        if top is None or call.stored is None or not top.arguments or call.details.get("hf_part"):
+            continue  # (a ring's block of HF's queries or keys: its keys may be another rank's tokens, capture.py)
         if id(top) not in decoders:
             decoders[id(top)] = _decoder_of_source(run, top)
         if decoders[id(top)]:

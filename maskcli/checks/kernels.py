@@ -151,6 +151,9 @@ def asked(call, stored: dict, name: str) -> list[Finding]:
     hf = call.details.get("hf")
     if call.api == "hf" or not isinstance(hf, dict) or "error" in hf or hf.get("attention_mask") is not None:
         return []  # (a mask given is HF's word on the cells; the interface's own record is what its arguments mean)
+    if call.details.get("hf_part"):
+        return []  # (one block of the queries or keys HF handed the function, a ring's step: where its queries and
+        # keys sit is the function's own split, which the block alone does not say: trace/capture.py)
     q_len, k_len = call.shape[2:]
     first, last = reach(stored, q_len)
     found = []

@@ -83,6 +83,8 @@ def _wrapper(trace, function, name):
         given = _given(args, kwargs)
         query, module, key = given.get("query"), given.get("module"), given.get("key")
         frame = {"hf": told, "seen": 0, "query": tuple(query.shape) if isinstance(query, torch.Tensor) else None,
+                 "lengths": (query.shape[-2], key.shape[-2]) if isinstance(query, torch.Tensor) and isinstance(
+                     key, torch.Tensor) and query.dim() >= 3 and key.dim() >= 3 else None,  # (HF's (B, H, L, D))
                  "groups": getattr(module, "num_key_value_groups", 1),
                  "sink_keys": key.shape[-2] if isinstance(getattr(module, "sinks", None), torch.Tensor) and isinstance(key, torch.Tensor) else None}
         trace.interfaces.append(frame)
