@@ -391,13 +391,7 @@ class Trace(Outer, Follow):
             self.compiled.seen += 1
         frames = self.interfaces
         if frames:
-            frame = frames[-1]
-            call.details["hf"] = frame["hf"]
-            frame["seen"] += 1
-            lengths = frame.get("lengths")
-            if lengths is not None and (call.shape[2] < lengths[0] or call.shape[3] < lengths[1]):
-                call.details["hf_part"] = lengths  # (a kernel call over part of the interface's queries or keys: a
-                # ring's or a blockwise kernel's block, its positions the function's own split, not HF's)
+            interface.made_in(call, frames[-1])
         self._calls.append(call)
 
     def _store(self, seen) -> str:

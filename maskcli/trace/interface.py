@@ -99,6 +99,17 @@ def _wrapper(trace, function, name):
     return interface
 
 
+def made_in(call, frame: dict) -> None:
+    """A kernel call made inside an interface call carries what HF told it; where it is over fewer queries or keys
+    than HF handed the function, it is a part of that call (a ring's step, a flash tile: details['hf_part']), its
+    queries' and keys' positions the function's own split, not HF's."""
+    call.details["hf"] = frame["hf"]
+    frame["seen"] += 1
+    lengths = frame["lengths"]
+    if lengths is not None and (call.shape[2] < lengths[0] or call.shape[3] < lengths[1]):
+        call.details["hf_part"] = lengths
+
+
 def unpack_gqa(seen: Seen, frame: dict) -> None:
     """An SDPA call HF's sdpa made with pack_gqa, read back as the model computed it: one query of H heads, (B, H, 1, Lk).
 
