@@ -585,6 +585,24 @@ def test_a_float_mask_that_adds_a_bias_is_read_where_it_masks_and_said_to_be_a_b
     assert group.expression == "causal" and [f.code for f in group.findings] == ["bias"]
 
 
+def test_a_float_mask_that_shifts_each_row_by_one_value_is_no_bias():
+    """mlx-vlm#440's processor mask, a (1, L) row of ones cast to float and added: each query row's scores move by one
+    value, which softmax does not see (the outputs equal an unmasked call's), so nothing says it adds a bias; a causal
+    -inf beside a per-row constant neither. A row whose kept values differ is a bias."""
+    q, k, v = qkv(1, 2, 5, 5)
+    ones, shifted = torch.ones(1, 5), torch.arange(5.0)[:, None].expand(5, 5).clone()
+    shifted = shifted.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.allclose(F.scaled_dot_product_attention(q, k, v, attn_mask=ones), F.scaled_dot_product_attention(q, k, v))
+    assert torch.allclose(F.scaled_dot_product_attention(q, k, v, attn_mask=shifted),
+                          F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
+    varied = torch.arange(5.0)[None, :].expand(5, 5).clone()
+    with maskcli.trace() as t:
+        for mask in (ones, shifted, varied):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert [bool(c.details.get("bias")) for c in t.calls] == [False, False, True]
+    assert np.array_equal(t.calls[1].keep()[0, 0], np.tril(np.ones((5, 5), dtype=bool)))
+
+
 def test_long_masks_are_named_on_their_intervals(monkeypatch):
     import maskcli.trace.report as report
 

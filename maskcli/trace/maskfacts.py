@@ -21,6 +21,14 @@ def note_zero_one(mask: torch.Tensor, details: dict, name: str | None = None) ->
         details["zero_one"] = name or True
 
 
+def row_constant(mask: torch.Tensor, keep: torch.Tensor) -> bool:
+    """Every query row adds one value to all the keys it keeps (a (1, L) row of ones cast to float and added, as
+    mlx-vlm#440's processor mask was): softmax is unchanged by a shift of its whole row, so the mask adds no bias."""
+    low = torch.where(keep, mask, torch.full((), float("inf"), dtype=mask.dtype)).amin(dim=-1)
+    high = torch.where(keep, mask, torch.full((), float("-inf"), dtype=mask.dtype)).amax(dim=-1)
+    return bool(((low == high) | ~keep.any(dim=-1)).all())
+
+
 def zero_one(mask: torch.Tensor) -> bool:
     """A float mask added to the scores that holds only 0s and 1s, some of each: a keep (or pad) mask cast to float
     and added as it is, which masks nothing (checks/kernels.py's ones-added; SDPA's and nn.MultiheadAttention's alike).

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from maskcli import tracefile
 from maskcli.inspect.polarity import additive_keep
 from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_rows as _empty_rows, infinite as _infinite, \
-    nan_scores as _nan_scores, note_zero_one, poison, query_offset
+    nan_scores as _nan_scores, note_zero_one, poison, query_offset, row_constant
 from maskcli.text import step_label
 from maskcli.trace.given import gathered_keys, stored  # noqa: F401 - stored: with the mask its frames handed (capture.py)
 from maskcli.trace.tables import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
@@ -147,9 +147,9 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
         _empty_rows(keep, mask.detach() == float("-inf"), details)
         poison(mask.detach(), details)
     if details is not None and mask.is_floating_point() and bool((keep & (mask.detach() != 0)).any()):
-        details["bias"] = True
-        note_zero_one(mask, details)  # a keep mask of 0s and 1s added as it is; not one of 1s alone, a constant (Doge's
-        # dt_states bias at a step where no key is masked)
+        if not row_constant(mask.detach(), keep):  # (a shift of a whole row is no bias)
+            details["bias"] = True
+        note_zero_one(mask, details)  # a keep mask of 0s and 1s added as it is; not 1s alone, a constant (Doge's dt)
     return keep
 
 
