@@ -216,3 +216,42 @@ def test_chunked_prefill_and_decode_rotated_further_on_are_quiet(tmp_path):
 
     status, found, report = traced(tmp_path, "chunked_prefill_two_layers_rope_offset_quiet", False, POSITIONS)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def _first_decode(prompts: list[list[int]]) -> list[tuple[int, int]]:
+    """(right, wrong) position of each left-padded row's first decoded token: its prompt's real tokens, and the padded
+    width (the keys its cache holds, pads included). The reference: the prompts as each program builds them."""
+    width = max(map(len, prompts))
+    return [(len(p), width) for p in prompts]
+
+
+def test_mosaicgpt_decode_positions_count_the_left_padding(tmp_path):
+    """mosaicml/examples#257 (written blind, batch blind-gf): MosaicGPT numbers its tokens in its own forward (`pos`,
+    looked up in `wpe`; no position_ids handed to it) and sliced the pad column to the new tokens before counting, so
+    a left-padded row's decode step sits at the padded width. Read off the model's forward (trace/positionsat.py): the
+    module holds a position table, so the positions its forward numbers are the ones embedded."""
+    hit = check_bug(tmp_path, "mosaic_gpt_kv_cache_left_pad_positions_cumsum_sliced_first", "positions-vs-keys")[0]
+    right, wrong = _first_decode([[5, 17, 23, 8, 41, 12], [9, 30, 4]])[1]
+    assert hit["expected"] == f"position {right}" and f"yet its position is {wrong}" in hit["message"]
+    assert f"counts the row's {wrong - right} padding keys" in hit["message"] and hit["source"] == "pos held by MosaicGPT.forward"
+
+
+def test_learned_positions_numbered_in_forward_count_the_left_padding(tmp_path):
+    """Written another way (tests/data/positions): token and position tables in an `Embeddings` module, SDPA with a
+    boolean mask, `position_ids` from the mask at the prompt and `past_length + arange` at decode."""
+    hit = check_bug(tmp_path, "learned_positions_decode_counts_left_padding", "positions-vs-keys", POSITIONS)[0]
+    right, wrong = _first_decode([[5, 7, 9, 11, 13], [21, 23]])[1]
+    assert hit["expected"] == f"position {right}" and f"yet its position is {wrong}" in hit["message"]
+
+
+def test_a_rotary_models_forward_positions_are_not_read_as_the_layers(tmp_path):
+    """A module with no position table (SpecForge's EAGLE-3 draft: rotary, its layers rotate at position_ids + lck) holds
+    positions in its forward that no layer need use as they are: its fix stays quiet (test above), and nothing held
+    there is marked embedded."""
+    import torch
+
+    from maskcli.trace.positionsat import _embeds_positions
+
+    assert not _embeds_positions(torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 2)))
+    assert _embeds_positions(torch.nn.ModuleDict({"wpe": torch.nn.Embedding(4, 2)}))
+    assert _embeds_positions(torch.nn.ModuleDict({"emb": torch.nn.ModuleDict({"position_embeddings": torch.nn.Embedding(4, 2)})}))

@@ -1,6 +1,7 @@
 """The positions a model call hands its rotary embedding against the keys each query sees (speculative decoding's bugs).
 
-A model call that states its tokens' positions (`position_ids`, or a hand-written model's `positions` / `pos`) states
+A model call that states its tokens' positions (`position_ids`, or a hand-written model's `positions` / `pos`; or, handed
+none, the ones its forward numbers them at: trace/positionsat.py, MosaicGPT's `pos` for `wpe`, mosaicml/examples#257) states
 how many tokens precede each query in its sequence; its causal self-attention states which keys each query sees. A
 query sits at its own key column (the last `Lq` columns: the cache's keys, then the call's own) and sees nothing to
 its right; where those hold, three statements must agree:
@@ -50,6 +51,16 @@ def _positions(top) -> tuple[str, np.ndarray] | None:
         if isinstance(given, np.ndarray) and given.ndim in (1, 2) and given.size and given.dtype.kind in "iu":
             return name, given.reshape(-1, given.shape[-1]).astype(np.int64)
     return None
+
+
+def _held(calls: list) -> tuple[str, np.ndarray] | None:
+    """(its name, int64 (rows, Lq)) of the positions a model call's forward numbers its tokens at and looks up in its own
+    position table (trace/positionsat.py: MosaicGPT's `pos` in `wpe`; a rotary model's layers may move theirs on, as
+    EAGLE-3's steps do): read at its first call that holds them, and only where every call that holds any holds those."""
+    held = [call.details["query_positions"] for call in calls if (call.details.get("query_positions") or {}).get("embedded")]
+    if not held or any(not np.array_equal(h["rows"], held[0]["rows"]) for h in held[1:]):
+        return None
+    return f"{held[0]['name']} held by {held[0]['function']}", np.asarray(held[0]["rows"], dtype=np.int64)
 
 
 def _placed(calls: list, positions: np.ndarray) -> list:
@@ -205,7 +216,7 @@ def check(run: Run) -> list:
     found += _rotated(run, done)
     found += _stepped(run, done)
     for top in run.tops:
-        handed = _positions(top)
+        handed = _positions(top) or _held(run.made_by(top))
         if handed is None:
             continue
         name, positions = handed
@@ -219,7 +230,7 @@ def check(run: Run) -> list:
                     continue
                 seen, placed = read
                 counts = seen.sum(axis=2)
-                source = f"{name} of {top.where}"
+                source = name if " held by " in name else f"{name} of {top.where}"
                 if where not in done:
                     hit = _within(seen, placed, placed_at)
                     if hit is not None:
@@ -251,7 +262,10 @@ def check(run: Run) -> list:
                             expected=f"{int(placed_at[b, q]) + 1} keys", source=source, cell=None)))
                     elif before is not None and n == before[1] + 1 and p != before[0] + 1:
                         done.add(where)
-                        why = ("the position is ahead of the keys it writes (advanced before the forward?)" if p > before[0]
+                        pads = int(np.argmax(seen[b, first]))  # (the keys before the row's first seen: its left padding)
+                        why = (f"it counts the row's {pads} padding keys before its first real one (the left padding "
+                               "not subtracted at this step?)" if pads and p - before[0] - 1 == pads else
+                               "the position is ahead of the keys it writes (advanced before the forward?)" if p > before[0]
                                else "keys of tokens no longer in the sequence stay in the cache (not rolled back?)")
                         found.append((call, Finding("positions-vs-keys", (
                             f"batch row {b}: query {first} sees one key more than the site's previous step's last query "
