@@ -220,6 +220,7 @@ def check(run: Run) -> list:
         if handed is None:
             continue
         name, positions = handed
+        table = " held by " in name  # (the positions its forward looked up in its own table: _held)
         sites: dict = {}
         for call in run.made_by(top):
             sites.setdefault(call.where, []).append(call)
@@ -230,7 +231,7 @@ def check(run: Run) -> list:
                     continue
                 seen, placed = read
                 counts = seen.sum(axis=2)
-                source = name if " held by " in name else f"{name} of {top.where}"
+                source = name if table else f"{name} of {top.where}"
                 if where not in done:
                     hit = _within(seen, placed, placed_at)
                     if hit is not None:
@@ -251,7 +252,8 @@ def check(run: Run) -> list:
                     before = last.get((where, row))
                     p, n = int(placed_at[b, first]), int(counts[b, first])
                     ahead = placed[b] & (placed_at[b] + 1 < counts[b])
-                    if counted.get(where) and ahead.any():
+                    if counted.get(where) and ahead.any() and not table:  # (a table's positions may number
+                        # some tokens only: BLIP-2's text after its cached learned queries)
                         q = int(np.argmax(ahead))
                         done.add(where)
                         found.append((call, Finding("positions-vs-keys", (
