@@ -210,6 +210,33 @@ def _stepped(run: Run, done: set) -> list:
     return found
 
 
+def _starts(call, seen, placed, placed_at, source: str) -> Finding | None:
+    """A prefill's queries that start a sequence (each sees only itself, and the query after it sees it and itself)
+    must sit at one position, wherever their row's padding or earlier packed samples put them: with positions looked up
+    in a table, the same text is embedded differently by where its batch put it (OpenRLHF#217's left-padded rows
+    scored without position_ids; LlamaFactory#7318's packed samples numbered on from the sample before)."""
+    batch, _, q_len, k_len = call.shape
+    if q_len != k_len or q_len < 2:
+        return None
+    counts = seen.sum(axis=2)
+    follows = np.zeros_like(placed)
+    follows[:, :-1] = placed[:, 1:] & (counts[:, 1:] == 2) & seen[:, np.arange(1, q_len), np.arange(q_len - 1)]
+    starts = np.argwhere(placed & (counts == 1) & follows)
+    if len(starts) < 2:
+        return None
+    at = placed_at[starts[:, 0], starts[:, 1]]
+    if at.min() == at.max():
+        return None
+    (b0, j0), (b, j) = starts[int(np.argmin(at))], starts[int(np.argmax(at))]
+    p0, p = int(at.min()), int(at.max())
+    return Finding("positions-vs-keys", (
+        f"batch row {b}: query {j} starts a sequence (it sees only itself, and the next query sees it) at position {p}, "
+        f"where batch row {b0}'s query {j0} starts one at {p0}: looked up in a table of positions, the same tokens are "
+        f"embedded by where the batch put them, counting {p - p0} tokens before them they do not see (left padding or "
+        f"an earlier packed sample, and no position_ids handed?)"), expected=f"position {p0}", source=source,
+        cell=(int(b), int(j), int(j)))
+
+
 def check(run: Run) -> list:
     """Each self-attention call of a model call that states positions, against the keys its queries see."""
     found, last, counted, done = [], {}, {}, set()
@@ -232,6 +259,10 @@ def check(run: Run) -> list:
                 seen, placed = read
                 counts = seen.sum(axis=2)
                 source = name if table else f"{name} of {top.where}"
+                start = _starts(call, seen, placed, placed_at, source) if table and where not in done else None
+                if start is not None:
+                    done.add(where)
+                    found.append((call, start))
                 if where not in done:
                     hit = _within(seen, placed, placed_at)
                     if hit is not None:

@@ -2,8 +2,8 @@
 
 A hand-written model numbers its tokens (`position_ids`, `positions`, `pos_ids`) in the function that rotates its
 queries and keys and calls the attention, or in the one that called it, where no outermost module call was handed
-them (pi0/pi05's `PaliGemmaWithExpertModel.forward`, called as `.forward` from a sampling loop), or in the outermost
-module's own forward, which embeds the tokens and hands the layers its hidden states (MosaicGPT's `pos`, counted past
+them (pi0/pi05's `PaliGemmaWithExpertModel.forward`, called as `.forward` from a sampling loop), or in the forward of
+the innermost running module that holds a position table, which embeds the tokens and hands the layers its hidden states (MosaicGPT's `pos`, counted past
 the left padding and looked up in `wpe`, mosaicml/examples#257). Read in the two innermost program frames and that one,
 only where a local of those names is an integer tensor of as many positions as the call
 has queries (one per batch row, or one row for all); the same tensor, handed to every layer, is copied once (kept by
@@ -62,27 +62,33 @@ def _embeds_positions(module) -> bool:
 
 
 def _outer(walked):
-    """The outermost module call's module, where it looks positions up in a table of its own (_embeds_positions)."""
-    modules = (frame.f_locals.get("self") for frame in reversed(walked.calls))  # (a CLI's own `__call__`s outside)
-    outer = next((module for module in modules if isinstance(module, torch.nn.Module)), None)
-    return outer if outer is not None and _embeds_positions(outer) else None
+    """(module, its module call's frame) of the innermost running module that looks positions up in a table of its own
+    (_embeds_positions): the model that embeds its tokens (GPT2Model under a reward model's head, MosaicGPT), whose
+    forward numbers them; (None, None) where none does."""
+    for frame in walked.calls:
+        module = frame.f_locals.get("self")
+        if isinstance(module, torch.nn.Module) and _embeds_positions(module):
+            return module, frame
+    return None, None
 
 
 def _frames(walked):
     """(frame, whether it is the forward of a module that embeds its positions) of the two innermost program frames,
-    then of that module's forward where it is not one of them."""
-    outer, looked = None, False
-    for frame, _ in walked.held[:FRAMES]:
-        if frame.f_code.co_name == "forward" and "self" in frame.f_code.co_varnames:
-            outer, looked = _outer(walked), True
-            yield frame, outer is not None and frame.f_locals.get("self") is outer
-        else:
-            yield frame, False
-    outer = outer if looked else _outer(walked)
-    for frame, _ in walked.held[FRAMES:] if outer is not None else ():
+    then of that module's forward where it is not one of them (a library's too: transformers' GPT2Model.forward, found
+    on the way out from the attention to the module's call)."""
+    inner = [frame for frame, _ in walked.held[:FRAMES]]
+    outer, call = _outer(walked) if walked.calls else (None, None)
+    for frame in inner:
+        yield frame, outer is not None and frame.f_code.co_name == "forward" and frame.f_locals.get("self") is outer
+    if outer is None:
+        return
+    frame, found = walked.calls[0], None
+    while frame is not None and frame is not call:
         if frame.f_code.co_name == "forward" and frame.f_locals.get("self") is outer:
-            yield frame, True
-            return
+            found = frame
+        frame = frame.f_back
+    if found is not None and all(found is not f for f in inner):
+        yield found, True
 
 
 def note(details: dict, walked, shape: tuple) -> None:
