@@ -53,14 +53,16 @@ def _positions(top) -> tuple[str, np.ndarray] | None:
     return None
 
 
-def _held(calls: list) -> tuple[str, np.ndarray] | None:
-    """(its name, int64 (rows, Lq)) of the positions a model call's forward numbers its tokens at and looks up in its own
-    position table (trace/positionsat.py: MosaicGPT's `pos` in `wpe`; a rotary model's layers may move theirs on, as
-    EAGLE-3's steps do): read at its first call that holds them, and only where every call that holds any holds those."""
+def _held(calls: list) -> tuple[str, np.ndarray, bool] | None:
+    """(its name, int64 (rows, Lq), whether the program handed none where the model takes them) of the positions a model
+    call's forward numbers its tokens at and looks up in its own position table (trace/positionsat.py: MosaicGPT's
+    `pos` in `wpe`; a rotary model's layers may move theirs on, as EAGLE-3's steps do): read at its first call that
+    holds them, and only where every call that holds any holds those."""
     held = [call.details["query_positions"] for call in calls if (call.details.get("query_positions") or {}).get("embedded")]
     if not held or any(not np.array_equal(h["rows"], held[0]["rows"]) for h in held[1:]):
         return None
-    return f"{held[0]['name']} held by {held[0]['function']}", np.asarray(held[0]["rows"], dtype=np.int64)
+    return (f"{held[0]['name']} held by {held[0]['function']}", np.asarray(held[0]["rows"], dtype=np.int64),
+            bool(held[0].get("unhanded")))
 
 
 def _placed(calls: list, positions: np.ndarray) -> list:
@@ -214,7 +216,10 @@ def _starts(call, seen, placed, placed_at, source: str) -> Finding | None:
     """A prefill's queries that start a sequence (each sees only itself, and the query after it sees it and itself)
     must sit at one position, wherever their row's padding or earlier packed samples put them: with positions looked up
     in a table, the same text is embedded differently by where its batch put it (OpenRLHF#217's left-padded rows
-    scored without position_ids; LlamaFactory#7318's packed samples numbered on from the sample before)."""
+    scored without position_ids; LlamaFactory#7318's packed samples numbered on from the sample before). Asked only
+    where the model takes positions and the program's call handed it none (trace/positionsat.py's unhanded): a forward
+    that takes none numbers its columns by its own statement (a hand-written GPT's `arange`), and a library's
+    generation loop that hands none (BART's, Whisper's decoder prompts) is the library's numbering, not the program's."""
     batch, _, q_len, k_len = call.shape
     if q_len != k_len or q_len < 2:
         return None
@@ -233,7 +238,7 @@ def _starts(call, seen, placed, placed_at, source: str) -> Finding | None:
         f"batch row {b}: query {j} starts a sequence (it sees only itself, and the next query sees it) at position {p}, "
         f"where batch row {b0}'s query {j0} starts one at {p0}: looked up in a table of positions, the same tokens are "
         f"embedded by where the batch put them, counting {p - p0} tokens before them they do not see (left padding or "
-        f"an earlier packed sample, and no position_ids handed?)"), expected=f"position {p0}", source=source,
+        f"an earlier packed sample): the model takes position_ids and the call handed none"), expected=f"position {p0}", source=source,
         cell=(int(b), int(j), int(j)))
 
 
@@ -246,7 +251,7 @@ def check(run: Run) -> list:
         handed = _positions(top) or _held(run.made_by(top))
         if handed is None:
             continue
-        name, positions = handed
+        name, positions, unhanded = (*handed, False)[:3]
         table = " held by " in name  # (the positions its forward looked up in its own table: _held)
         sites: dict = {}
         for call in run.made_by(top):
@@ -259,11 +264,11 @@ def check(run: Run) -> list:
                 seen, placed = read
                 counts = seen.sum(axis=2)
                 source = name if table else f"{name} of {top.where}"
-                start = _starts(call, seen, placed, placed_at, source) if table and where not in done else None
+                start = _starts(call, seen, placed, placed_at, source) if unhanded and where not in done else None
                 if start is not None:
                     done.add(where)
                     found.append((call, start))
-                if where not in done:
+                if where not in done and not table:  # (a table's positions number the columns, holes and all)
                     hit = _within(seen, placed, placed_at)
                     if hit is not None:
                         b, j, i, more, moved = hit

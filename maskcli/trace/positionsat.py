@@ -3,25 +3,34 @@
 A hand-written model numbers its tokens (`position_ids`, `positions`, `pos_ids`) in the function that rotates its
 queries and keys and calls the attention, or in the one that called it, where no outermost module call was handed
 them (pi0/pi05's `PaliGemmaWithExpertModel.forward`, called as `.forward` from a sampling loop), or in the forward of
-the innermost running module that holds a position table, which embeds the tokens and hands the layers its hidden states (MosaicGPT's `pos`, counted past
-the left padding and looked up in `wpe`, mosaicml/examples#257). Read in the two innermost program frames and that one,
-only where a local of those names is an integer tensor of as many positions as the call
-has queries (one per batch row, or one row for all); the same tensor, handed to every layer, is copied once (kept by
-the tensor's id, its weak reference and version). checks/cachedpositions.py reads the positions a prefill stated for the keys it cached against those a
-later step states for its queries.
+the innermost running module that holds a position table, which embeds the tokens and hands the layers its hidden
+states (MosaicGPT's `pos`, counted past the left padding and looked up in `wpe`, mosaicml/examples#257; a library's
+too, transformers' GPT2Model). Read in the two innermost program frames and that one, only where a local of those
+names is an integer tensor of as many positions as the call has queries (one per batch row, or one row for all); the
+same tensor, handed to every layer, is copied once (kept by the tensor's id, its weak reference and version).
+Where that module takes positions and the program's own call handed it none, the numbering is its default, the
+column (OpenRLHF#217's reward model over left-padded rows): noted as unhanded. checks/cachedpositions.py reads the
+positions a prefill stated for the keys it cached against those a later step states for its queries.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 import re
 import weakref
 
 import torch
 
+import maskcli.trace.held as held_module
+
 NAMES = ("position_ids", "positions", "pos_ids", "pos")
 FRAMES = 2  # the attention's function and the one that called it
 _POSITION = re.compile(r"^(?:wpe|pos_?emb\w*|\w*position\w*|embed_pos\w*)$", re.I)
 _EMBEDS: dict = {}  # id(module) -> (weakref to it, whether it holds a position table)
+_ACCEPTS: dict = {}  # forward's function -> the place of its positions parameter, -1 for none (_accepts)
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+_TORCH = os.path.dirname(torch.__file__)
 _READ: dict = {}  # id(tensor) -> (weakref to it, its version, int64 numpy (rows, Lq)) (a tensor's == is elementwise)
 
 
@@ -91,10 +100,50 @@ def _frames(walked):
         yield found, True
 
 
+def _library(filename: str) -> bool:
+    """Code not the program's: torch's, maskcli's, the standard library's, an installed package's, `<...>`."""
+    return filename.startswith((*(held_module._SKIP or held_module._skipped()), "<")) or "-packages" + os.sep in filename
+
+
+def _accepts(forward) -> int | None:
+    """The place among its arguments (self left out) of the parameter named for positions (NAMES) that `forward`
+    takes; None where it takes none (read once per function: a decorator's wrapper shares its code with others)."""
+    function = getattr(forward, "__func__", forward)
+    got = _ACCEPTS.get(function)
+    if got is None:
+        try:
+            names = list(inspect.signature(forward).parameters)
+        except (TypeError, ValueError):
+            names = []
+        got = next((i for i, name in enumerate(names) if name in NAMES), -1)
+        if len(_ACCEPTS) >= 256:
+            _ACCEPTS.clear()
+        _ACCEPTS[function] = got
+    return None if got < 0 else got
+
+
+def _unhanded(outer, call, walked) -> bool:
+    """The program called the model (the outermost module call is made from its own code, not a library's generation
+    loop), and the module that holds the position table takes positions (`position_ids`) yet was handed none: the
+    program left its model to number its tokens by column. A forward that takes none (a hand-written GPT's `arange`)
+    states that numbering itself."""
+    if call.f_code is not _CALL_IMPL:
+        return False
+    at = _accepts(outer.forward)
+    args, kwargs = call.f_locals.get("args", ()), call.f_locals.get("kwargs") or {}
+    if at is None or any(kwargs.get(name) is not None for name in NAMES) or (len(args) > at and args[at] is not None):
+        return False
+    frame = next(frame for frame in reversed(walked.calls) if frame.f_code is _CALL_IMPL).f_back  # (the outermost)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
+        frame = frame.f_back  # (nn.Module's _wrapped_call_impl)
+    return frame is not None and not _library(frame.f_code.co_filename)
+
+
 def note(details: dict, walked, shape: tuple) -> None:
-    """details["query_positions"] = {"rows": int64 (rows, Lq), "name", "function", "embedded"} where one of the call's
-    program frames read (_frames) holds its queries' positions; embedded: the frame is the forward of the module that
-    looks them up in its position table."""
+    """details["query_positions"] = {"rows": int64 (rows, Lq), "name", "function", "embedded", "unhanded"} where one of
+    the call's program frames read (_frames) holds its queries' positions; embedded: the frame is the forward of the
+    module that looks them up in its position table; unhanded: that module takes positions and the program's call
+    handed it none (_unhanded)."""
     if walked is None or len(shape) != 4 or shape[2] < 1:
         return
     batch, q_len = int(shape[0]), int(shape[2])
@@ -109,6 +158,8 @@ def note(details: dict, walked, shape: tuple) -> None:
             rows = _rows(held, batch, q_len)
             if rows is not None:
                 code = frame.f_code
+                unhanded = embedded and _unhanded(*_outer(walked), walked)
                 details["query_positions"] = {"rows": rows, "name": name, "embedded": embedded,
+                                             "unhanded": bool(unhanded),
                                              "function": getattr(code, "co_qualname", code.co_name)}
                 return
