@@ -267,3 +267,71 @@ def test_blip2_text_positions_after_cached_learned_queries_are_quiet(tmp_path):
     status, found, report = traced(tmp_path, "blip2_qformer_itc_itm_itg_masks", False,
                                    Path(__file__).parent / "data" / "quiet_blind")
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def _starts(masks: list[list[int]]) -> list[tuple[int, int]]:
+    """(row, column) of each sequence's first token in a batch of 0/1 key masks (the reference: a row's real tokens
+    begin where its mask first holds 1)."""
+    return [(b, row.index(1)) for b, row in enumerate(masks)]
+
+
+def test_openrlhf_reward_and_critic_score_left_padded_rows_at_shifted_positions(tmp_path):
+    """OpenRLHF/OpenRLHF#217 (written blind, batch blind-gh): the actor, reward model and critic forwards hand
+    GPT2Model input_ids and attention_mask only; GPT-2 takes position_ids and numbers its columns when handed none, so
+    the row left-padded by 4 embeds its first real token at position 4. Read off transformers' own GPT2Model.forward
+    (trace/positionsat.py); the fix hands `attention_mask.cumsum(-1) - 1` and is quiet."""
+    hit = check_bug(tmp_path, "openrlhf_reward_critic_left_padded_no_position_ids", "positions-vs-keys")[0]
+    pads = _starts([[1] * 14, [0] * 4 + [1] * 10, [0] * 2 + [1] * 12])
+    assert f"batch row 1: query {pads[1][1]} starts a sequence" in hit["message"]
+    assert hit["expected"] == "position 0" and "GPT2Model.forward" in hit["source"]
+    assert "the model takes position_ids and the call handed none" in hit["message"]
+
+
+def test_llamafactory_neat_packing_numbers_each_packed_sample_on(tmp_path):
+    """hiyouga/LlamaFactory#7318 (written blind, batch blind-gh): neat packing's block-diagonal 4D mask with no
+    position_ids, so GPT-2 numbers the packed row 0..L-1 and the second sample of row 0 starts at the first one's
+    length. The reference: the samples the program packs (prompt + response + eos tokens)."""
+    import re
+
+    hit = check_bug(tmp_path, "llamafactory_neat_packing_no_position_ids_gpt2", "positions-vs-keys")[0]
+    lengths = {prompt + response + 1 for prompt, response in [(4, 5), (3, 4), (5, 6), (2, 3)]}
+    column, position = (int(x) for x in re.search(r"batch row 0: query (\d+) starts a sequence .* at position (\d+),",
+                                                  hit["message"], re.S).groups())
+    assert column == position and column in lengths and hit["expected"] == "position 0"
+
+
+def test_learned_positions_classifier_left_padded_without_position_ids(tmp_path):
+    """Written another way (tests/data/positions): a hand-written scorer whose forward takes `position_ids=None` and
+    numbers `arange(L)` when handed none, eager softmax over a finfo.min bias; the caller hands the mask only."""
+    hit = check_bug(tmp_path, "learned_positions_classifier_left_padded_position_ids_not_handed", "positions-vs-keys",
+                    POSITIONS)[0]
+    b, j = _starts([[1] * 6, [0] * 2 + [1] * 4])[1]
+    assert f"batch row {b}: query {j} starts a sequence (it sees only itself, and the next query sees it) at " \
+           f"position {j}" in hit["message"] and hit["expected"] == "position 0"
+
+
+def test_a_library_generation_loop_that_numbers_a_left_padded_prompt_is_quiet(tmp_path):
+    """transformers' generate calls WhisperForCausalLM on left-padded prompts and hands its decoder no position_ids:
+    the library's numbering, not the program's call (tests/data/positions, correct as written)."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "quiet_whisper_decoder_generate_left_padded_prompt", False, POSITIONS)
+    assert status == 0 and [f for f in found if f["code"] == "positions-vs-keys"] == [], report
+
+
+def test_a_forward_that_takes_no_positions_states_its_own_numbering():
+    """_accepts: the place of a positions parameter among a forward's arguments, None where it takes none (a
+    hand-written GPT's `forward(idx)` numbers by column of its own statement)."""
+    import torch
+
+    from maskcli.trace.positionsat import _accepts
+
+    class Takes(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, position_ids=None):
+            return input_ids
+
+    class Numbers(torch.nn.Module):
+        def forward(self, idx):
+            return idx
+
+    assert _accepts(Takes().forward) == 2 and _accepts(Numbers().forward) is None
