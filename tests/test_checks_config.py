@@ -117,6 +117,8 @@ PROGRAMS = [
     ("namedtuple_in_model_module", (), "window-off-by-one", "sliding_window=3 (ARGS (ModelArgs) at the top of namedtuple_model_lib.py)"),
     # the window gone at decode, a left-padded batch, a SimpleNamespace on self.args (its prefill keeps the window)
     ("window_gone_at_decode", (), "window-missing", "sliding_window=3 (self.args of Decoder (SimpleNamespace))"),
+    # a prefixed field (`attention_sliding_window`) in a top-level dict beside its convolutions' strides, never applied
+    ("tts_decoder_attention_sliding_window_unused", (), "window-missing", "attention_sliding_window=6 (CONFIG (dict) at the top of"),
     # layer types by index against a dataclass's layer_types; against a SimpleNamespace's pattern in main()
     ("types_by_index_dataclass", (), "window-on-full-layer", "layer_types[0] (self.config of Model (ModelConfig))"),
     ("types_by_index_dataclass", (), "window-missing", "sliding_window=2 (self.config of Model (ModelConfig))"),
@@ -340,6 +342,8 @@ WINDOWS = Path(__file__).parent / "data" / "windows"
 
 BLIND = [  # written blind by other helpers (tests/data/bugs), each caught and its fix quiet
     ("mistral_sdpa_mask_drops_sliding_window", "window-missing"),  # huggingface/transformers#30127
+    # Blaizzy/mlx-audio 0570bb1b (batch blind-gg): Voxtral's codec decoder never applies attn_sliding_window_size
+    ("mlx_audio_voxtral_tts_codec_decoder_alibi_reversed_no_window", "window-missing"),
     ("mistral_sliding_window_causal_mask_decode", "window-off-by-one"),  # huggingface/transformers#26792
     ("sglang_torch_native_backend_ignores_sliding_window", "window-missing"),  # sgl-project/sglang#26516 (layer_id)
     ("sglang_torch_native_encoder_sliding_window_ignored", "window-missing"),  # sgl-project/sglang#39298 (no module)
@@ -660,3 +664,19 @@ def test_global_layers_handed_the_mask_made_4d_with_the_window_up_front(tmp_path
     assert first((2, t, t), lambda b, q, k: full(b, q, k) and not given(b, q, k)) == (0, 3, 0)
     status, found, report = traced(tmp_path, "global_layers_own_4d_mask_left_padded_quiet", False, WINDOWS)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_window_field_a_prefix_names_the_attentions_is_read_and_a_convolutions_strides_are_no_layer_kinds():
+    """fields_of: `attn_sliding_window_size` / `attention_sliding_window` / `local_sliding_window` state the attention's
+    window (as sliding_window_size, said by their own name); another part's (`vision_sliding_window_size`) is not read.
+    A per-layer word in a convolution's field (`decoder_convs_strides`) says nothing of the attention layers' kinds;
+    the same word alone (`stride`, a strided sparse attention's) still leaves them unknown."""
+    from maskcli.checks.intent import Intent, Stated, fields_of
+
+    for name in ("attn_sliding_window_size", "attention_sliding_window", "local_sliding_window"):
+        fields = fields_of({name: 16, "n_heads": 4})
+        assert fields["sliding_window_size"] == 16 and fields["window_field"] == name
+        assert Intent([Stated("cfg", None, fields)]).said("sliding_window_size") == f"{name}=16 (cfg)"
+    assert "sliding_window_size" not in fields_of({"vision_sliding_window_size": 16, "n_heads": 4})
+    assert fields_of({"sliding_window": 8, "decoder_convs_strides": [1, 2, 2], "n_heads": 4})["other_layers"] is False
+    assert fields_of({"sliding_window": 8, "stride": 2, "n_heads": 4})["other_layers"] is True

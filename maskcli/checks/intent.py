@@ -17,6 +17,7 @@ speaks only where no layer has the window).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from maskcli.checks.configread import LIBRARIES, MISSING, StaticView, dynamic, read  # noqa: F401 - (read from here too)
@@ -24,7 +25,7 @@ from maskcli.checks.configread import added as _added
 
 FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset", "mem_len",
          "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own", "chunk_right", "chunk_scope",
-         "added", "frame_budget", "frame_block", "model_chunks", "evict_budget", "prefix_pool", "prefix_scope")
+         "added", "window_field", "frame_budget", "frame_block", "model_chunks", "evict_budget", "prefix_pool", "prefix_scope")
 # what a Stated says of its config, not its fields (a model's memory length, its own causal flag: memlen.py, reach.py,
 # chunkahead.py read them alone; the fields of a transformers config its class defines nowhere: configread.py)
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
@@ -46,6 +47,8 @@ ATTENTION = ("head", "attn", "attention")  # words of a field name that say a co
 GENERAL = ("causal", "bidirectional")  # fields an RNN's or a convolution's config may state as well
 CONTEXT = ("context_left", "context_right", "left_context", "right_context", "past_horizon", "future_horizon",
            "left_chunks")  # how far a chunk's queries see past it: its chunk size is then a local window's block (Gemma 4 audio)
+SLIDING = re.compile(r"(?:attn|attention|local)_sliding_window(?:_size)?")  # a sliding window a prefix says is the
+# attention's: read as sliding_window_size
 OTHER_LAYERS = ("every_n", "attention_layers", "attention_types", "block_type", "interval", "global_attn", "local_attn",
                 "attn_types", "stride")  # per-layer fields read nowhere here: where one is set, layer kinds are unknown
 
@@ -93,6 +96,12 @@ def fields_of(value) -> dict:
                 if found is not MISSING:
                     items[name] = found
     found = {name: items[name] for name in FIELDS if items.get(name) is not None}
+    if "sliding_window_size" not in found:  # (the attention's window under a prefix that names it: mlx-audio's
+        # Voxtral codec `attn_sliding_window_size`)
+        named = next((name for name in items if isinstance(name, str) and SLIDING.fullmatch(name)
+                      and type(items[name]) is int), None)
+        if named is not None:
+            found["sliding_window_size"], found["window_field"] = items[named], named
     text = items.get("text_config")
     unset = _bidirectional_unset(value, items, text)
     if unset is not None:
@@ -155,7 +164,9 @@ def _fields_besides(value, items: dict, text, found: dict) -> dict:
         found["added"] = _added(value, [name for name in found if name in FIELDS])  # (the program's own: classfields.py)
     found["attention"] = any(word in name.lower() for name in items if isinstance(name, str) for word in ATTENTION)
     found["decoder"] = bool(items.get("is_decoder") or items.get("is_encoder_decoder"))  # whose is_causal is a part's
-    found["other_layers"] = any(any(word in name for word in OTHER_LAYERS) and items[name] not in (None, False, 0, [], ())
+    found["other_layers"] = any(any(word in name for word in OTHER_LAYERS) and "conv" not in name  # (a convolution's
+                                # strides are no attention layer's kind: Voxtral's `decoder_convs_strides_str`)
+                                and items[name] not in (None, False, 0, [], ())
                                 for name in items if isinstance(name, str))
     found["chunk_context"] = any(any(word in name for word in CONTEXT) and items[name] is not None and items[name] is not False
                                  for name in items if isinstance(name, str))
@@ -187,6 +198,8 @@ class Intent:
                 self.sources.setdefault(name, one.source)
         for name in dropped:
             del self.values[name]
+        self.renamed = {"sliding_window_size": one.fields["window_field"] for one in stated  # (said by its own name)
+                        if one.fields.get("window_field") and self.sources.get("sliding_window_size") == one.source}
         self.transformers = any(one.fields.get("transformers") for one in stated)
         inner = max((one for one in stated if one.fields.get("transformers")), key=lambda one: len(one.scope or ""), default=None)
         self.added = set() if inner is None else {name for name in inner.fields.get("added", ()) if name in self.values
@@ -206,7 +219,7 @@ class Intent:
 
     def said(self, name: str) -> str:
         """`name=value` with where it was stated: "sliding_window=3 (hf_config (dict) at the top of prog.py)."""
-        return f"{name}={self.values[name]!r} ({self.sources[name]})"
+        return f"{self.renamed.get(name, name)}={self.values[name]!r} ({self.sources[name]})"
 
     def _sliding_layers(self, layers) -> set | list | tuple:
         """sliding_window_layers as a set, made once: a list of 10^6 searched per layer took hours."""
