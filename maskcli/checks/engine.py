@@ -15,7 +15,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "fully-masked": {"fill-became-inf (wrong)", "padding-on-queries", "document-row-empty",
                      "nan-rows-backward", "mask-fixed-after-call"},  # the NaN rows, said with the fill that overflowed
     # (dtypes.py); the padded query rows of a padding laid on the query axis (queryaxis.py)
-    "sees-later": {"padding-on-queries"},  # the real rows that see the pads after them: the same padding's axis
+    "sees-later": {"padding-on-queries",  # the real rows that see the pads after them: the same padding's axis
+                   "mask-sliced-apart"},  # (a held causal mask's window with its rows one token on: the slice said)
     "padding-lost": {"padding-ignored"},
     "positions-vs-keys": {"padding-lost", "padding-ignored", "continued-from-padding"},  # the keys past a query's
     # position are padding it sees, or a right-padded prompt's decode placed after its pads: said with the padding's

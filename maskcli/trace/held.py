@@ -24,6 +24,7 @@ import torch
 from maskcli.trace.codes import ByCode
 from maskcli.trace.toplevel import read_by
 import maskcli.trace.pairedids as pairedids
+import maskcli.trace.slicedheld as slicedheld
 
 KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real token
 PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
@@ -130,7 +131,7 @@ def padding(frames: list | None = None) -> list[dict] | None:
                         found.append(read)
                         if read["kind"] == "cells" and HANDED.search(name) and frame is not innermost \
                                 and name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
-                            outer.append((read, id(value)))
+                            outer.append((read, value))
                 elif type(value) in SEQUENCES and LENGTHS.search(name) and id(value) not in seen:
                     seen.add(id(value))
                     read = _lengths_given(name, value, code)
@@ -151,8 +152,9 @@ def padding(frames: list | None = None) -> list[dict] | None:
                     for key in pairedids.PAIRS))
         if top:
             found[start:] = [dict(read, top=True) for read in found[start:]]
-    if outer and _own_mask(innermost, {held for _, held in outer}):
+    if outer and _own_mask(innermost, {id(value) for _, value in outer}):
         found = [read for read in found if not any(read is o for o, _ in outer)]
+        found += slicedheld.views(innermost, outer, HANDED)  # (a window of one of them, rows and columns apart)
     return found or None
 
 
@@ -162,11 +164,13 @@ def split_top(details: dict) -> None:
     read a function's padding as weaker evidence read none of it (a script's globals may be another sequence's).
     Positions that go down without restarting (kind "drops"), no padding, go to details["held_positions"]
     (checks/contextlater.py), a batch dict's lengths to details["batch_lengths"] (checks/heldlengths.py), multimodal
-    rope ids (kind "mrope") to details["held_mrope"] (checks/repeated.py)."""
+    rope ids (kind "mrope") to details["held_mrope"] (checks/repeated.py), a held mask's window handed with its rows
+    and columns apart (kind "sliced") to details["held_sliced"] (trace/slicedheld.py: checks/slicedmask.py)."""
     _move(details, "held_positions", lambda read: read["kind"] == "drops")
     _move(details, "batch_lengths", lambda read: read["kind"] == "batch_lengths")
     _move(details, "held_present", lambda read: read["kind"] == "present")
     _move(details, "held_mrope", lambda read: read["kind"] == "mrope")
+    _move(details, "held_sliced", lambda read: read["kind"] == "sliced")
     _move(details, "held_top", lambda read: read.get("top"))
 
 
