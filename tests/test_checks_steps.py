@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from checkbugs import check_bug, first, runner
+from checkbugs import check_bug, first, runner, traced
 from maskcli.commands import app
 
 BUGS = [
@@ -439,3 +439,16 @@ def test_a_per_request_decode_that_gathers_its_window_stays_quiet(tmp_path):
     status, found, report = traced(tmp_path, "per_request_decode_window_start_index_quiet", False, WINDOWS)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert "(1,3,1,3)" in report and "(1,3,1,11)" in report  # the decode calls were read: 3 keys sliding, all full
+
+
+def test_one_sequence_taken_out_of_a_left_padded_batch_is_not_held_to_another_rows_padding(tmp_path):
+    """mlx-lm#738's fix (tests/data/blind, written blind, batch blind-gl): a left-padded batch of 2 prefilled and
+    decoded, then the unpadded row's rotating cache extracted and decoded alone, a batch of 1 at the same call site.
+    Which prefill row it was the call does not say: only a key every row padded is its padding, and none is, so no
+    padding-lost (the row seeing key 0, which row 0 padded, was read as row 0 before)."""
+    blind = Path(__file__).parent / "data" / "blind"
+    status, found, report = traced(tmp_path, "mlx_lm_batch_rotating_cache_extract_unpadded_keeps_empty_slots", True,
+                                   blind)
+    assert status == 0, report
+    assert [f for f in found if f["code"] == "padding-lost"] == [], report
+    assert "decode 3  (1,2,1,9)" in report, report
