@@ -142,13 +142,3 @@ def test_per_feature_weights_filled_after_the_softmax_against_a_loop():
                  for k in range(5)] for b in range(2)]
     assert kept["weighed"].tolist() == expected
     assert expected == [[True] * 4 + [False], [True, True, False, False, False]]
-
-
-def test_dialogue_seq2seq_session_attention_over_padded_source(tmp_path):
-    """vliu15/dialogue-seq2seq ef5ce06 (written blind, batch blind-gn): the session attention between encoder and
-    decoder softmaxes over every source position, the padded ones too (their states zeroed by non_pad_mask, score 0);
-    its fix fills them with -inf first. The encoder's own attention folds its heads head-major,
-    `q.permute(2, 0, 1, 3).contiguous().view(-1, L, D)` with as many samples as heads (2 and 2): that fold is read
-    either way round, so the fix's encoder self-attention, which masks its padding head-major, raises nothing."""
-    found = check_bug(tmp_path, "dialogue_seq2seq_session_attention_softmax_over_padded_source", "pooled-over-padding")
-    assert found[0]["cell"][0] == 0, found

@@ -275,9 +275,7 @@ def batch_major(a, out) -> tuple[int, int] | None:
         if base is None or base.dim() != 4:
             return None
         rows, heads = int(base.shape[0]), int(base.shape[1])
-        if rows < 2 or heads < 2 or rows == heads or rows * heads != a.shape[0] \
-                or a.storage_offset() != base.storage_offset():  # (as many rows as heads: a contiguous (H, B, L, D)
-            # copy, `q.permute(2, 0, 1, 3).contiguous()`, has the same shape; either way round is read then)
+        if rows < 2 or heads < 2 or rows * heads != a.shape[0] or a.storage_offset() != base.storage_offset():
             return None
         if a.stride(0) != base.stride(1) or base.stride(0) != heads * base.stride(1) or a.shape[1] != base.shape[2]:
             return None
