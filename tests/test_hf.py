@@ -496,7 +496,8 @@ def test_encoder_decoder_latent_and_rotary_sizes_and_derived_head_dims_are_made_
     and num_attention_heads name the encoder's: the decoder stayed full size, and 6 heads did not divide 32); Falcon's
     head_dim is a property worked out from the others; DeepSeek's latent attention and GPT-J's rotary part have widths
     of their own (64 rotary dims over heads of 16). Each runs tiny, and every call is the kernel's own (an
-    independent SDPA capture) and HF's rule."""
+    independent SDPA capture, its query heads left on the head axis: transformers 5.25 packs tiny Falcon's
+    multi-query decode into the query axis, which maskcli reads back as heads x 1 query) and HF's rule."""
     from maskcli.hf.run import build, tryout
 
     config = families.tiny(families.load(family), name=family)
@@ -507,7 +508,7 @@ def test_encoder_decoder_latent_and_rotary_sizes_and_derived_head_dims_are_made_
         assert getattr(config, key, None) in (None, value)
     assert tryout(family) == "runs"
     batch = prompt((5, 3), None, 0, "left", 128)
-    seen = kernel_calls(build(config, "sdpa", family), batch, 2, False, monkeypatch)
+    seen = kernel_calls(build(config, "sdpa", family), batch, 2, True, monkeypatch)
     result = run(family, config, batch, new_tokens=2)
     assert [call.shape for call in result.calls] == [shape for shape, _ in seen]
     assert all((np.broadcast_to(call.keep(), call.shape) == keep).all() for call, (_, keep) in zip(result.calls, seen))
