@@ -33,6 +33,7 @@ BUGS = [
 ]
 STEPS = Path(__file__).parent / "data" / "caches"
 PREFILLROWS = Path(__file__).parent / "data" / "prefillrows"
+BLIND = Path(__file__).parent / "data" / "blind"
 
 
 @pytest.mark.parametrize("name, code", BUGS)
@@ -270,9 +271,6 @@ def test_layers_of_the_prompt_in_one_loop_over_a_static_buffer_are_not_decode_st
     layer's softmax is one line in a loop, so the prompt's second layer is the site's second call; it shares the prompt's
     mask (causal over the written cells, the empty cells past them masked) and is no decode step placed after 11 keys.
     A decode step whose mask is built from its row number (j <= i) still is: its query sees cell 0 only."""
-    from checkbugs import traced
-    from pathlib import Path
-
     folder = Path(__file__).parent / "data" / "staticbuf"
     name = "kv_buffer_layers_in_one_loop_decode_mask_by_row"
     status, found, report = traced(tmp_path, name, False, folder)
@@ -346,14 +344,9 @@ def test_a_repeat_of_a_sites_first_call_is_no_decode_step(tmp_path):
     """sinkhorn-transformer's sort net (written blind, tests/data/blind): its (buckets, 1 + buckets) scores, each bucket
     seeing its null key and the buckets before it, run once per forward with the same shape, mask and placing: the
     second forward is no decode step, so no top-left-mask, on the bug or its fix."""
-    from pathlib import Path
-
-    from checkbugs import traced
-
-    blind = Path(__file__).parent / "data" / "blind"
     for fixed in (False, True):
         _, found, report = traced(tmp_path, "sinkhorn_transformer_causal_rotated_heads_padding_mask_not_rotated", fixed,
-                                  folder=blind)
+                                  folder=BLIND)
         assert not [f for f in found if f["code"] == "top-left-mask"], report
 
 
@@ -380,8 +373,6 @@ def test_a_chunk_whose_keys_are_its_own_then_the_cached_prefix_holds_the_padding
     additive finfo.min mask). The padding is held, at the columns after the chunk's own: quiet (padding-lost said it on
     OpenTau's pi05 fix, read with the cache first). The same chunk handed no prefix padding is still padding-lost, at
     the first padded key of row 0 (its prompt of 5), read as the rule places a cache."""
-    from checkbugs import traced
-
     status, found, report = traced(tmp_path, "action_chunk_keys_before_cached_prefix_sdpa", False, STEPS)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     status, found, report = traced(tmp_path, "action_chunk_keys_before_cached_prefix_sdpa", False, STEPS, ("--lost",))
@@ -404,8 +395,6 @@ def test_sglang_gemma3_flashinfer_decode_without_the_sliding_wrapper(tmp_path):
     get_attention_sliding_window_size, so the flashinfer backend built one decode wrapper and a sliding layer's decode
     gathered the whole request (the prefill applied window_left per layer). Per request, its one query at position
     seq_len - 1 sees every key 0 .. seq_len - 1; the window (sliding_window=4, counting the query) keeps 4. Fix quiet."""
-    from checkbugs import traced
-
     lost = check_bug(tmp_path, "sglang_gemma3_flashinfer_decode_sliding_layers_see_full_cache", "window-lost")
     _, found, _ = traced(tmp_path, "sglang_gemma3_flashinfer_decode_sliding_layers_see_full_cache", False)
     assert {f["code"] for f in found if f["severity"] == "wrong"} >= {"window-missing", "window-lost", "window-dropped"}
@@ -434,8 +423,6 @@ def test_a_paged_decode_over_block_tables_that_masks_the_padding_only(tmp_path):
 def test_a_per_request_decode_that_gathers_its_window_stays_quiet(tmp_path):
     """Correct: per-request decode over a pool, keys (H, n, D), einsum("hd,hnd->hn"); sliding layers gather from
     seq_len - sliding_window on, full layers every key (a dict config with layer_types). Nothing to say."""
-    from checkbugs import traced
-
     status, found, report = traced(tmp_path, "per_request_decode_window_start_index_quiet", False, WINDOWS)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert "(1,3,1,3)" in report and "(1,3,1,11)" in report  # the decode calls were read: 3 keys sliding, all full
@@ -446,9 +433,8 @@ def test_one_sequence_taken_out_of_a_left_padded_batch_is_not_held_to_another_ro
     decoded, then the unpadded row's rotating cache extracted and decoded alone, a batch of 1 at the same call site.
     Which prefill row it was the call does not say: only a key every row padded is its padding, and none is, so no
     padding-lost (the row seeing key 0, which row 0 padded, was read as row 0 before)."""
-    blind = Path(__file__).parent / "data" / "blind"
     status, found, report = traced(tmp_path, "mlx_lm_batch_rotating_cache_extract_unpadded_keeps_empty_slots", True,
-                                   blind)
+                                   BLIND)
     assert status == 0, report
     assert [f for f in found if f["code"] == "padding-lost"] == [], report
     assert "decode 3  (1,2,1,9)" in report, report

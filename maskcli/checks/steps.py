@@ -177,9 +177,10 @@ def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, writte
     if padded is not None and later.shape[0] in (1, padded.shape[0]) and call.shape[0] in (1, padded.shape[0]):
         # (a step over another number of batch rows is another batch: its rows are not the prefill's)
         width = padded.shape[1]
-        if call.shape[0] == 1 < padded.shape[0]:  # (one sequence continued alone, taken out of the batch, mlx-lm's
-            padded = padded.all(axis=0, keepdims=True)  # extract: which row it was is unknown, so only a key
-            # every row padded is its padding)
+        if call.shape[0] == 1 < padded.shape[0]:
+            # (one sequence continued alone, taken out of the batch: mlx-lm's cache extract. Which row it was is
+            # unknown, so only a key every row padded is its padding)
+            padded = padded.all(axis=0, keepdims=True)
         bad = later[..., :width] & padded[:, None, None, :]  # (one mask row for every batch row broadcasts)
         at = [k for k in written if 0 <= k < width]
         if at and bad.any():
