@@ -1,7 +1,9 @@
 """checks/maskmean.py (fed by trace/maskmean.py): a sum over a batch's positions divided by a 0/1 mask's sum whose summed
 values are not 0 where the mask leaves them out, on a reproduction of a published bug (rerankers' ColBERT MaxSim over
 the query's [MASK] tokens) and on the same bug written otherwise (a right-padded BERT's mean pooling, `torch.sum` over a
-clamped count), both fixes quiet; found_in against a loop over rows and positions."""
+clamped count), both fixes quiet; found_in against a loop over rows and positions. mean-counts-padding, its mirror: a mean over the
+positions of values zeroed at the padding (UER-py's sentence vectors, and a left-padded SDPA encoder's masked_fill),
+both fixes quiet."""
 
 from __future__ import annotations
 
@@ -45,6 +47,26 @@ def test_egnn_coordinate_update_mean_over_padded_nodes(tmp_path):
     [hit] = check_bug(tmp_path, "egnn_coordinate_update_mean_over_padded_nodes", "mean-counts-masked", MASKMEAN)[:1]
     message = " ".join(hit["message"].split())
     assert "batch row 1 sums values at positions " + ", ".join(str(p) for p in range(9 - 5)) + " the mask" in message
+
+
+def test_uer_mean_pooling_over_zeroed_padding_is_flagged_and_the_sum_over_the_count_is_not(tmp_path):
+    # dbiir/UER-py#190 (commit 22147b5; written blind, batch blind-gn): FeatureExtractor zeroes the padded positions
+    # (`output * seg`) and pools with `torch.mean(output, dim=1)`, dividing by seq_length (12); the fix divides the sum
+    # by `seg.sum(1)`. The program's first batch: sentences of 5 and 11 tokens ([CLS] + 4, [CLS] + 10)
+    found = check_bug(tmp_path, "uer_py_extract_features_mean_pooling_counts_padding", "mean-counts-padding")
+    message = " ".join(found[0]["message"].split())
+    assert "batch row 0: a mean over axis 1 of a (2, 12, 32) tensor divides by all 12 positions" in message
+    assert "0 at exactly the positions 5, 6, 7, 8, 9, 10, 11 the attention call before it masks as padding" in message
+    assert len(found) == 2  # each of the two batches (each one model call) pools its own padding
+
+
+def test_left_padded_encoder_masked_fill_then_mean_is_flagged(tmp_path):
+    # written another way: SDPA with a boolean key mask over a left-padded batch (3, 7 and 5 tokens of 7), the pads
+    # zeroed by masked_fill and pooled with `.mean(-2)`; the fix divides the sum by attention_mask.sum(-1)
+    [hit] = check_bug(tmp_path, "sdpa_encoder_left_padded_masked_fill_zero_then_mean", "mean-counts-padding", MASKMEAN)
+    message = " ".join(hit["message"].split())
+    assert "batch row 0: a mean over axis 1 of a (3, 7, 24) tensor" in message
+    assert "positions 0, 1, 2, 3 the attention call before it masks as padding (4 of 7)" in message
 
 
 def _reference(values: np.ndarray, mask: np.ndarray):

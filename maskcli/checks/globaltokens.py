@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.padvalue import padded_with_id
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -30,8 +31,8 @@ def marks(arguments: dict) -> tuple[np.ndarray, np.ndarray, str] | None:
         if isinstance(mask, np.ndarray) and mask.shape == given.shape and set(np.unique(mask).tolist()) <= {0, 1}:
             real = mask == 1
         return real, (given == 1) & real, "global_attention_mask"
-    if not isinstance(mask, np.ndarray) or mask.ndim != 2 or not mask.size:
-        return None
+    if not isinstance(mask, np.ndarray) or mask.ndim != 2 or not mask.size or padded_with_id(arguments) is not None:
+        return None  # (2s on the pad id's tokens: a mask padded with the pad id, padvalue.py)
     values = set(np.unique(mask).tolist())
     if not values <= {0, 1, 2} or not {1, 2} <= values:
         return None

@@ -28,7 +28,7 @@ import numpy as np
 
 from maskcli.checks.arguments import document_starts, padded_positions
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries, real_queries
-from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, handed_elsewhere, seen_both_ways
+from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, handed_elsewhere, seen_both_ways, stated_instead
 from maskcli.checks.heldfold import folded_padding, over_memory, padded_batch as _padding
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.heldlengths import by_lengths
@@ -233,6 +233,9 @@ def held_padding(run: Run) -> list:
             if not seen_through:
                 break
         picks = [pick for pick in picks if not handed_elsewhere(run, call, pick[2])]  # (another call's tokens')
+        said = None if not picks or cross(call) else stated_instead(  # (the call's own word, kept to)
+            run, call, cells, own if own is not None else placed if placed is not None else queries(call, run.top(call)))
+        picks = [pick for pick in picks if said is None or np.array_equal(said, pick[1])]
         if not picks or not seen_through:
             continue
         held, bad = _told(picks)

@@ -118,3 +118,23 @@ def _kept_in_order(cells: np.ndarray, keys: np.ndarray) -> bool:
     last = np.where(seen.any(axis=2), seen.shape[2] - 1 - np.argmax(seen[:, :, ::-1], axis=2), -1)  # (rows, q)
     first_pad = np.where((~keys).any(axis=1), np.argmax(~keys, axis=1), keys.shape[1])  # (rows,)
     return bool((last > first_pad[:, None]).any())
+
+
+def stated_instead(run: Run, call, cells: np.ndarray, own) -> np.ndarray | None:
+    """Bool (rows, Lk): the padding the model call itself states over exactly `call`'s keys (its attention_mask, its
+    lengths: real.stated), some of them padding, where the kernel's mask keeps to it (no real query sees a key it calls
+    padding); else None. A mask held up the stack that says otherwise is another sequence's of as many tokens, not the
+    one this call was to keep to (TRL's DPO batch: `chosen_attention_mask` over 12 tokens, held while generate's step
+    over the 12 keys of a prompt and its first tokens runs with the prompt's own mask)."""
+    from maskcli.checks.real import stated
+
+    rows, k_len = call.shape[0], call.shape[3]
+    said = stated(run.top(call), rows, k_len)
+    if said is None or not said[2] or said[0].all() or own is None:
+        return None
+    real = np.broadcast_to(said[0], (rows, k_len))
+    inside = (own >= 0) & (own < k_len)
+    mine = np.zeros((rows, len(own)), dtype=bool)
+    mine[:, inside] = real[:, own[inside]]
+    return None if (cells & mine[:, :, None] & ~real[:, None, :]).any() else real
+

@@ -10,7 +10,10 @@ every masked position (`(x * mask).sum(dim)`: the fix), and on a mask that keeps
 
 from __future__ import annotations
 
-from maskcli.checks.context import Run
+import numpy as np
+
+from maskcli.checks.context import Run, keep
+from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -32,7 +35,45 @@ def masked_mean(run: Run) -> list:
     return found
 
 
+def mean_padding(run: Run) -> list:
+    """Means over positions zeroed at the padding of the attention call before them (details `zero_mean`): wrong."""
+    found = []
+    for call in [*run.calls, *run.unmasked]:
+        for mean in call.details.get("zero_mean") or ():
+            finding = _counted(run, call, mean)
+            if finding is not None:
+                found.append((call, finding))
+                break
+    return found
+
+
+def _counted(run: Run, call, mean: dict):
+    zeroed = mean["zeroed"]
+    rows, length = zeroed.shape
+    cells = keep(call)
+    if cells is None or call.shape[3] != length or call.shape[0] != rows or cells.shape[0] not in (1, rows):
+        return None
+    seen = by_row(cells, rows)
+    said = resolve(call, run.top(call), seen)  # (the model call's statement; else the keys no query of the row sees)
+    real = said.keys if said.source is not None else seen.any(axis=1)
+    both = real.any(axis=1) & ~real.all(axis=1)
+    exact = both & (zeroed == ~real).all(axis=1)
+    if not exact.any():
+        return None
+    row = int(np.flatnonzero(exact)[0])
+    pads = np.flatnonzero(~real[row])
+    shown = ", ".join(str(p) for p in pads[:8]) + (", ..." if len(pads) > 8 else "")
+    return Finding("mean-counts-padding", (
+        f"batch row {row}: a mean over axis 1 of a {tuple(mean['shape'])} tensor divides by all {length} positions, "
+        f"but the tensor is 0 at exactly the position{'s' if len(pads) > 1 else ''} {shown} the attention call before "
+        f"it masks as padding ({len(pads)} of {length}): the mean counts the padding it zeroed (divide the sum by the "
+        f"mask's sum)"), expected=f"row {row}'s sum divided by its {length - len(pads)} real positions",
+        source="the positions zeroed before the mean: the attention call's padding", cell=(row, int(pads[0]), int(pads[0])))
+
+
 RULES = (
     Rule("mean-counts-masked", "wrong", "call", "a sum over a batch's positions divided by a 0/1 mask's sum over them "
          "(a masked mean) whose summed values are not 0 at positions the mask leaves out", masked_mean),
+    Rule("mean-counts-padding", "wrong", "call", "a mean over a batch's positions of values zeroed at exactly the "
+         "positions the attention call before it masks as padding (the padded length counted)", mean_padding),
 )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep, queries
+from maskcli.checks.padvalue import padded_with_id
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -30,8 +31,8 @@ def samples(top) -> tuple[np.ndarray, np.ndarray] | None:
     model call whose attention_mask numbers its packed samples; None where it is a plain 0/1 mask or none."""
     numbers = top.arguments.get("attention_mask")
     if not isinstance(numbers, np.ndarray) or numbers.ndim != 2 or numbers.dtype.kind not in "iu" \
-            or numbers.size == 0 or numbers.min() < 0 or numbers.max() < 2:
-        return None
+            or numbers.size == 0 or numbers.min() < 0 or numbers.max() < 2 or padded_with_id(top.arguments) is not None:
+        return None  # (a mask padded with the pad id: no numbering, padvalue.py)
     for row in numbers:  # (numbered from 1 in each row, a number first met above every one before it: Longformer's
         met = row[row != 0]  # 0 / 1 / 2 = padding / local / global, its global question tokens first, is no numbering)
         if met.size and (met[0] != 1 or (np.diff(np.maximum.accumulate(met)) > 1).any()):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskcli.checks.context import keep, queries, real_queries, runs
+from maskcli.checks.padvalue import padded_with_id
 from maskcli.checks.placing import positions_said
 from maskcli.checks.idspositions import positions_padding
 from maskcli.checks.plainpad import ids_padding, named_padding
@@ -139,6 +140,9 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
         return None
     arguments, found = top.arguments, []
     tokens = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
+    padded = padded_with_id(arguments)  # (an attention_mask padded with the pad id: its 1s the tokens, padvalue.py)
+    if padded is not None:
+        found.append((arguments["attention_mask"] == 1, f"attention_mask (padded with the pad id {padded}, not 0)", True))
     for name in (*REAL_TRUE, *PADDING_TRUE):
         given = arguments.get(name)
         if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.size \

@@ -50,6 +50,12 @@ def flex(args: tuple, kwargs: dict) -> Seen:
             target = (max(planes[0], seen.planes[0]), max(planes[1], seen.planes[1]))
             seen.intervals = _spread(seen.intervals, seen.planes, target) & _spread(found, planes, target)
             seen.planes = target
+        if "bias" in details["score_mod_read"]:  # (what it adds, by distance: trace/flexbias.py)
+            from maskcli.trace.flexbias import score_bias
+
+            profiled = score_bias(score_mod, seen)
+            if profiled is not None:
+                details["position_bias"] = profiled
     return seen
 
 

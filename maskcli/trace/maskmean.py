@@ -14,6 +14,11 @@ the [MASK] augmentation's too, divided by `q_mask.sum()`. The terms may be divid
 mask's rows) divided by such a count is followed, through a product by any tensor and the calls that keep its
 elements, to its sum over an axis as long as the mask's positions (Uni-Mol#211: `delta_pos / atom_num * attn_probs`
 summed over the atom pairs, the padded atoms' too). The mask may be float 0/1 (`1 - padding_mask.type_as(x)`).
+
+The mirror: a `mean` over axis 1 of a (B, L, D) float tensor (a pooling over the positions) divides by all L. Where
+some row of it is exactly 0 at some positions and not at others (the program zeroed them, `output * mask`), the
+zeroed positions are recorded on the last attention call made (details `zero_mean`: checks/maskmean.py holds them to
+the positions that call masks as padding). UER-py#190: `torch.mean(output * seg, dim=1)`, the padded length counted.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from maskcli.trace.unseen import unseen
 
 MOST = 4096  # a count's mask elements at most
 HELD = 8  # sums remembered at once
-REDUCES = frozenset({torch.sum, torch.Tensor.sum})
+MOST_MEANED = 1 << 24  # a mean's elements at most, looked at for zeroed positions
+MEANS = frozenset({torch.mean, torch.Tensor.mean})
+REDUCES = frozenset({torch.sum, torch.Tensor.sum, *MEANS})
 DIVISIONS = frozenset({"div", "divide", "true_divide", "__truediv__"})
 PRODUCTS = frozenset({"mul", "multiply", "__mul__", "__rmul__"})  # (by name: a method reaches the mode as itself)
 
@@ -36,6 +43,15 @@ def reduced(args: tuple, kwargs: dict, out) -> bool:
     """A sum over one axis of a tensor of 2 dims or more (entry.py's wanted REDUCE; every sum passes here)."""
     return type(out) is torch.Tensor and len(args) > 0 and type(args[0]) is torch.Tensor and args[0].dim() >= 2 \
         and isinstance(_dim(args, kwargs), int)
+
+
+def pooled(args: tuple, kwargs: dict, out) -> bool:
+    """A mean over axis 1 of a (B, L, D) float tensor (entry.py's wanted MEAN: every mean passes here, the norms' over
+    the last axis too, so it asks little)."""
+    if type(out) is not torch.Tensor or not args or type(args[0]) is not torch.Tensor or args[0].dim() != 3:
+        return False
+    dim = _dim(args, kwargs)
+    return dim in (1, -2) and args[0].shape[1] > 1 and args[0].is_floating_point()
 
 
 def _dim(args: tuple, kwargs: dict):
@@ -51,7 +67,11 @@ class MaskMean:
     def after(self, func, args: tuple, kwargs: dict, out, calls: list) -> None:
         """A sum remembered, a count followed through a call keeping its elements, a division looked at."""
         try:
-            if func in REDUCES:
+            if func in MEANS:
+                if pooled(args, kwargs, out) and calls:
+                    with unseen():
+                        self._meaned(args[0], calls)
+            elif func in REDUCES:
                 if reduced(args, kwargs, out):
                     with unseen():
                         self._summed(args, kwargs, out, calls)
@@ -114,6 +134,15 @@ class MaskMean:
             if len(self.sums) >= HELD:
                 self.sums.pop(next(iter(self.sums)))
             self.sums[id(out)] = (weakref.ref(out), weakref.ref(x), dim)
+
+    def _meaned(self, x: torch.Tensor, calls: list) -> None:
+        """A mean over the positions of a (B, L, D) tensor some row of which is exactly 0 at some positions and not at
+        others: those positions, on the last attention call."""
+        if x.device.type == "meta" or x.numel() > MOST_MEANED:
+            return
+        zero = (x.detach() == 0).all(dim=-1).cpu().numpy()
+        if (zero.any(axis=1) & ~zero.all(axis=1)).any():
+            calls[-1].details.setdefault("zero_mean", []).append({"zeroed": zero, "shape": list(x.shape)})
 
     def _divided(self, num, den, out, calls: list) -> None:
         count, summed = self._found.get(id(den)), self.sums.get(id(num))

@@ -115,6 +115,10 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if "segment_ids" not in found and "seq_idx" not in found:
         found.update(_held_segments(given) or _decoder_segments(given))
     found = token_types(module, found)  # (a segment_ids argument the model embeds as token types: BERT's)
+    slots = next((given[n] for n in ("input_positions", "kv_write_indices") if issubclass(type(given.get(n)), torch.Tensor)), None)
+    if slots is not None and slots.dim() == 1 and 0 < slots.numel() <= MOST and slots.dtype in (torch.int64, torch.int32) \
+            and slots.device.type != "meta" and "cache_position" not in found:  # (gemma_pytorch's `input_positions`:
+        found.setdefault("input_pos", _int64(slots))  # its queries' cache slots, as torchtune's `input_pos`)
     for name in ("cache_position", "input_pos"):  # slots of a cache: one below 0 is none (the program's own nonsense,
         held_slots = found.get(name)  # which its model may never read): it states no place for the queries
         if isinstance(held_slots, np.ndarray) and held_slots.size and held_slots.min() < 0:
@@ -126,8 +130,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if type(given.get("is_causal")) is bool and not type(module).__module__.startswith("torch.") and not any(
             issubclass(type(v), torch.Tensor) and v.dim() >= 2 and v.shape[-1] == v.shape[-2] > 1
             and (v.dtype == torch.bool or v.is_floating_point()) for v in given.values()):
-        found["is_causal"] = given["is_causal"]  # (the caller's own word, handed explicitly and beside no (L, L) mask
-        # of its own, whose cells say what is seen: checks/callcausal.py)
+        found["is_causal"] = given["is_causal"]  # (the caller's word, beside no (L, L) mask of its own: callcausal.py)
     found.update(_first_ids(signature, given, found) or field_ids(signature, given, found, MOST))  # (or (B, L, F))
     found.update(held_ids(given, module, found))  # (ids inside a batch dict, `model(x)`: trace/heldids.py)
     found.update(_token_ids(module))
