@@ -142,3 +142,23 @@ def test_per_feature_weights_filled_after_the_softmax_against_a_loop():
                  for k in range(5)] for b in range(2)]
     assert kept["weighed"].tolist() == expected
     assert expected == [[True] * 4 + [False], [True, True, False, False, False]]
+
+
+def test_s3prl_attentive_pooling_adds_its_bool_length_mask_to_the_logits(tmp_path):
+    # s3prl/s3prl#579 (written blind, batch blind-gs; the issue's proposed fix): AttentivePooling adds `len_masks`, True
+    # on each utterance's real frames, to its logits (+1 and +0), so the pads keep their weight; the fix adds -1e9 where
+    # it is False. The expert runs after the upstream, in no model call: the lengths its frames hold (`features_len`,
+    # 159, 69 and 109 frames) say the padding. Row 1's pads are 69 .. 158, row 2's 109 .. 158
+    [hit] = check_bug(tmp_path, "s3prl_attentive_pooling_bool_len_mask_added_to_logits", "pooled-over-padding")
+    message = " ".join(hit["message"].split())
+    assert tuple(hit["cell"]) == (1, 0, 69) and f"({(159 - 69) + (159 - 109)} such positions)" in message
+    assert "features_len in forward()" in message
+
+
+def test_a_pooling_head_handed_lengths_it_never_masks_with(tmp_path):
+    """Written another way: an upstream nn.TransformerEncoder over a right-padded batch (10, 6, 3 frames of 10), then a
+    self-attention pooling head called on its own with `frame_lens`, its weights never masked; the fix fills -inf."""
+    [hit] = check_bug(tmp_path, "separate_pooling_head_lengths_held_mask_never_applied", "pooled-over-padding",
+                      POOLEDPAD)
+    assert tuple(hit["cell"]) == (1, 0, 6) and "((10 - 6) + (10 - 3))" not in hit["message"]
+    assert f"({(10 - 6) + (10 - 3)} such positions)" in " ".join(hit["message"].split())

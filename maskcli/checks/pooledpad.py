@@ -8,7 +8,10 @@ with the outermost module call that pooled (its Top's `pools`), the (rows, posit
 own statement of its padding (real.py's `stated`: its attention_mask, a key padding mask, lengths, the input ids at the
 pad id) over as many rows and positions says which are pads. Wrong where a row with real tokens gives a pad weight,
 said at the model call's last attention call; quiet where the pads' weights are 0 (filled before the softmax, or no
-pads), and where nothing the model call holds states its padding.
+pads), and where nothing the model call holds states its padding. There, the padding the program's frames held as the
+pooling ran says it (a mask named as padding, or lengths, each way they may lie: trace/poolweights.py), and so it does
+for a pooling no model call ran, a head called on its own after the model, kept with the attention call before it
+(s3prl#579: AttentivePooling added its bool length mask to the logits, +1 on the frames and +0 on the pads).
 """
 
 from __future__ import annotations
@@ -23,29 +26,52 @@ from maskcli.text import Finding
 
 
 def pooled_padding(run: Run) -> list:
-    """Each model call's first pooling whose weights reach a position the call states is padding."""
+    """Each model call's first pooling whose weights reach a position the call states is padding; and each pooling no
+    model call ran (kept with the attention call before it) whose weights reach what the program's frames held as
+    padding as it pooled, every way that padding may lie."""
     found = []
     for top in run.tops:
         made = run.made_by(top) if top.pools else ()
         for pool in top.pools if made else ():
-            weighed = pool["weighed"]
-            said = stated(top, *weighed.shape) or held_by(made, *weighed.shape)
-            if said is None:
-                continue
-            real, source, sure = said
-            bad = weighed & ~real & real.any(axis=1, keepdims=True)
-            if not bad.any():
-                continue
-            b, k = first_cell(bad)
-            found.append((made[-1], Finding("pooled-over-padding", (
-                f"batch row {b}: attention pooling weights, softmaxed over axis {pool['axis']} of their "
-                f"{pool['shape']} and applied by {pool['how']}, give position {k} a weight, which the {source} "
-                f"marks as padding ({int(bad.sum())} such positions): " + _why(weighed, real) + ("" if sure else
-                                                       f" (if token id {top.arguments.get('pad_id')} is padding there)")),
-                None if sure else "suspicious", expected="no pooling weight on a padding position", source=source,
-                cell=(b, 0, k))))
-            break
+            hit = _judged(pool, stated(top, *pool["weighed"].shape) or held_by(made, *pool["weighed"].shape),
+                          top.arguments.get("pad_id"))
+            if hit is not None:
+                found.append((made[-1], hit))
+                break
+    for call in [*run.calls, *run.unmasked, *run.cross]:  # (poolings no model call ran: the program's own padding)
+        for pool in call.details.get("loose_pools") or ():
+            hit = _judged(pool, None, None)
+            if hit is not None:
+                found.append((call, hit))
+                break
     return found
+
+
+def _judged(pool: dict, said: tuple | None, pad_id) -> Finding | None:
+    """The finding of a pooling that weighs padding: `said` (real, source, sure), else the frames' padding held as it
+    pooled (held_there), seen through every way it may lie; None where the pads take no weight."""
+    weighed = pool["weighed"]
+    if said is None:
+        there = held_there(pool, *weighed.shape)
+        if there is None:
+            return None
+        tables, source, sure = there[0], there[1], True
+    else:
+        tables, source, sure = [said[0]], said[1], said[2]
+    bad = [weighed & ~real & real.any(axis=1, keepdims=True) for real in tables]
+    if not all(each.any() for each in bad):
+        return None
+    return _finding(pool, bad[0], tables[0], source, sure, pad_id)
+
+
+def _finding(pool: dict, bad: np.ndarray, real: np.ndarray, source: str, sure: bool, pad_id) -> Finding:
+    b, k = first_cell(bad)
+    return Finding("pooled-over-padding", (
+        f"batch row {b}: attention pooling weights, softmaxed over axis {pool['axis']} of their {pool['shape']} and "
+        f"applied by {pool['how']}, give position {k} a weight, which the {source} marks as padding ({int(bad.sum())} "
+        f"such positions): " + _why(pool["weighed"], real) + ("" if sure else f" (if token id {pad_id} is padding "
+                                                                               "there)")),
+        None if sure else "suspicious", expected="no pooling weight on a padding position", source=source, cell=(b, 0, k))
 
 
 def _why(weighed: np.ndarray, real: np.ndarray) -> str:
@@ -73,6 +99,19 @@ def held_by(made: list, rows: int, length: int) -> tuple[np.ndarray, str, bool] 
         return None
     real, source = next(iter(found.values()))
     return real, source, True
+
+
+def held_there(pool: dict, rows: int, length: int) -> tuple[list, str] | None:
+    """Where neither the model call nor its attention calls state the padding: the one padding the program's frames
+    held as it pooled (trace/poolweights.py: a mask named as padding, or lengths, over as many rows and positions), each
+    way it may lie (lengths: real tokens first or last); None where they hold none, or several that differ."""
+    found = {}
+    for held in pool.get("held") or ():
+        if held["kind"] in ("keep", "pad", "lengths"):
+            tables = readings(held, rows, length)
+            if tables:
+                found.setdefault(b"".join(t.tobytes() for t in tables), (tables, f"{held['name']} in {held['where']}"))
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 RULES = (

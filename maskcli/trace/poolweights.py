@@ -103,9 +103,13 @@ class Pool:
         """Kept with the outermost module call running now (its Top's `pools`): the (rows, positions) it weighs, each
         batch row's positions given a weight above WEIGHED by any of its queries (heads, slots)."""
         held = trace._local.outer
-        if held is None or held[0] is None:
-            return
-        found = trace._pools.setdefault(id(held), [])
+        if held is None or held[0] is None:  # (no model call running: a head called on its own, s3prl's expert over
+            calls = getattr(trace, "_calls", None)  # an upstream's features; kept with the last attention call made)
+            if not calls:
+                return
+            found = calls[-1].details.setdefault("loose_pools", [])
+        else:
+            found = trace._pools.setdefault(id(held), [])
         if len(found) >= MOST:
             return
         trace.busy = True  # (its reads are maskcli's: no wrapper, nor the mode, takes them for the program's)
@@ -116,5 +120,14 @@ class Pool:
                 weighed = (moved.reshape(rows, -1, length) > WEIGHED).any(dim=1).cpu().numpy()
         finally:
             trace.busy = False
+        from maskcli.trace.held import padding
+
+        trace.busy = True
+        try:  # (the padding the program's frames hold as it pools: a pooling's own lengths, s3prl's `features_len`)
+            held = padding()
+        except (Exception, SystemExit):  # noqa: BLE001 - a frame that cannot be read states nothing
+            held = None
+        finally:
+            trace.busy = False
         found.append({"axis": self.axis, "shape": tuple(int(n) for n in self.weights.shape), "how": self.how,
-                      "weighed": weighed})
+                      "weighed": weighed, "held": held or ()})

@@ -1,0 +1,50 @@
+"""checks/loopcausal.py: a generation loop that re-runs its whole sequence one token longer each call, through a
+decoder whose self-attention lets a token see a later appended one: candle#1146's BLIP captioning decoder (written
+blind) and a TinyGPT of nn.TransformerEncoderLayer sampled greedily; both fixes quiet; the loops read against a
+reference over hand-made calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from checkbugs import check_bug
+from maskcli.checks.loopcausal import _loops
+
+LOOPCAUSAL = Path(__file__).parent / "data" / "loopcausal"
+
+
+def test_candle_blip_captioning_decoder_without_a_causal_mask_is_flagged(tmp_path):
+    # huggingface/candle#1146 (3115fe42e; written blind, batch blind-gp): the BLIP text decoder's self-attention had no
+    # mask while the captioning example re-ran the caption each step from [BOS]; the fix adds -inf above the diagonal
+    found = check_bug(tmp_path, "candle_blip_text_decoder_captioning_no_causal_mask", "loop-sees-later")
+    message = " ".join(found[0]["message"].split())
+    assert message.startswith("batch row 0: query 0 sees the later key 1, a token the generation loop appended: "
+                              "TextLMHeadModel is called on its whole sequence again each step, one token longer (ids "
+                              "of 1 token, then 2, 3, ...)"), message
+
+
+def test_tiny_gpt_sampled_by_rerunning_without_a_causal_mask_is_flagged(tmp_path):
+    # written another way: prompts of 3 tokens, 5 greedy steps; every prompt token sees the tokens appended after it
+    [hit, *_] = check_bug(tmp_path, "tiny_gpt_encoder_layers_greedy_rerun_no_causal_mask", "loop-sees-later", LOOPCAUSAL)
+    message = " ".join(hit["message"].split())
+    assert "query 0 sees the later key 3" in message and "(ids of 3 tokens, then 4, 5, ...)" in message
+
+
+def _top(where, ids):
+    return SimpleNamespace(where=where, arguments={"input_ids": np.array(ids)}, first=0, end=0, config=None)
+
+
+def test_loops_are_runs_of_three_calls_each_one_token_longer():
+    grow = [_top("Dec", [[1] + [2] * n]) for n in range(4)]  # lengths 1, 2, 3, 4
+    assert [(start, len(tops)) for start, tops in _loops(SimpleNamespace(tops=grow))] == [(1, 3)]
+    two = [_top("Dec", [[1]]), _top("Dec", [[1, 2]])]  # (two calls: no loop)
+    assert _loops(SimpleNamespace(tops=two)) == []
+    changed = [_top("Dec", [[1]]), _top("Dec", [[1, 2]]), _top("Dec", [[3, 2, 4]])]  # (an earlier token changed)
+    assert _loops(SimpleNamespace(tops=changed)) == []
+    blocks = [_top("Dec", [[1] * n]) for n in (2, 4, 6)]  # (two tokens a call: a diffusion LM's blocks)
+    assert _loops(SimpleNamespace(tops=blocks)) == []
+    other = [_top("Dec", [[1]]), _top("Enc", [[1, 2]]), _top("Dec", [[1, 2, 3]])]  # (another module between)
+    assert _loops(SimpleNamespace(tops=other)) == []
