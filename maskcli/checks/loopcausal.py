@@ -6,9 +6,10 @@ called on the caption so far). That loop states the model is autoregressive over
 loop appended was chosen from what came before it, so no token may see one appended after it, and no prompt token may
 see an appended one (a prefix-LM's prompt, bidirectional among itself, is left alone). Read where the same outermost
 module is called three times or more in a row on token ids (`input_ids`, `idx`, `tokens`, the first ids it takes)
-that each extend the last by one token in every batch row, and the model states it decodes (its name says decoder, LM,
-GPT, causal, caption or generate, its config `is_decoder`, or it makes a cross-attention to a memory, as a captioner
-or a speech decoder does): at each later call, a self-attention whose real query sees a later real key that the loop
+that each extend the last by one token in every batch row, and the model states it decodes (its name says decoder, LM
+head, causal LM, language model, GPT, caption or generate, but not a masked LM's: BERT filling a [MASK] it appends each
+step sees both ways; its config `is_decoder`; or it makes a cross-attention to a memory, as a captioner or a speech
+decoder does): at each later call, a self-attention whose real query sees a later real key that the loop
 appended is wrong (candle#1146: the BLIP text decoder's self-attention had no mask; the fix adds -inf above the
 diagonal). Quiet where the model is causal, on the prompt's own bidirectional block, on a loop that appends more than
 one token a call (a diffusion LM's blocks) or changes earlier tokens, and on a cached loop (one query a call).
@@ -26,7 +27,7 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 IDS = ("input_ids", "idx", "tokens")
-DECODES = re.compile(r"decoder|lm|gpt|causal|caption|generat", re.IGNORECASE)
+DECODES = re.compile(r"decoder|(?<!m)lmhead|causallm|languagemodel|gpt|caption|generat", re.IGNORECASE)  # (not MaskedLM, XLM)
 STEPS = 3  # model calls in a row at least, each one token longer
 
 
