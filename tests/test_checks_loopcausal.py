@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from checkbugs import check_bug
+from checkbugs import check_bug, traced
 from maskcli.checks.loopcausal import _loops
 
 LOOPCAUSAL = Path(__file__).parent / "data" / "loopcausal"
@@ -48,3 +48,10 @@ def test_loops_are_runs_of_three_calls_each_one_token_longer():
     assert _loops(SimpleNamespace(tops=blocks)) == []
     other = [_top("Dec", [[1]]), _top("Enc", [[1, 2]]), _top("Dec", [[1, 2, 3]])]  # (another module between)
     assert _loops(SimpleNamespace(tops=other)) == []
+
+
+def test_generate_without_a_cache_a_prefix_lm_and_a_masked_lm_filling_are_quiet(tmp_path):
+    # transformers' generate(use_cache=False) over a left-padded batch, a prefix LM's re-run loop (its prompt both ways
+    # among itself: the same loop with every key seen is flagged), a masked LM filling the [MASK] it appends each step
+    status, found, report = traced(tmp_path, "quiet_generate_loops_without_a_cache", False, LOOPCAUSAL)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
