@@ -104,7 +104,12 @@ def held_by(made: list, rows: int, length: int) -> tuple[np.ndarray, str, bool] 
 def held_there(pool: dict, rows: int, length: int) -> tuple[list, str] | None:
     """Where neither the model call nor its attention calls state the padding: the one padding the program's frames
     held as it pooled (trace/poolweights.py: a mask named as padding, or lengths, over as many rows and positions), each
-    way it may lie (lengths: real tokens first or last); None where they hold none, or several that differ."""
+    way it may lie (lengths: real tokens first or last); None where they hold none, or several that differ, and where
+    the weights are not one query's a row (a (B * H, Lq, Lk) softmax pooled by a matmul is attention over its queries,
+    whose padded queries may weigh anything)."""
+    shape = pool["shape"]
+    if int(np.prod([n for at, n in enumerate(shape) if at not in (0, pool["axis"] % len(shape))])) != 1:
+        return None  # (weights of many queries a row: attention's, whose padded queries weigh pads on purpose)
     found = {}
     for held in pool.get("held") or ():
         if held["kind"] in ("keep", "pad", "lengths"):
