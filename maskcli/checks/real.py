@@ -140,8 +140,7 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
         return None
     arguments, found = top.arguments, []
     tokens = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
-    padded = padded_with_id(arguments)  # (an attention_mask padded with the pad id: its 1s the tokens, padvalue.py)
-    if padded is not None:
+    if (padded := padded_with_id(arguments)) is not None:  # (a mask padded with the pad id: its 1s the tokens, padvalue.py)
         found.append((arguments["attention_mask"] == 1, f"attention_mask (padded with the pad id {padded}, not 0)", True))
     for name in (*REAL_TRUE, *PADDING_TRUE):
         given = arguments.get(name)
