@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross
+from maskcli.checks.context import Run, cross, real_queries
 from maskcli.checks.heldfold import padded_batch
 
 EXTRA_KEYS = 4  # keys besides the tokens a held padding covers (a relay node, CLS, registers) that it may leave out
@@ -133,8 +133,5 @@ def stated_instead(run: Run, call, cells: np.ndarray, own) -> np.ndarray | None:
     if said is None or not said[2] or said[0].all() or own is None:
         return None
     real = np.broadcast_to(said[0], (rows, k_len))
-    inside = (own >= 0) & (own < k_len)
-    mine = np.zeros((rows, len(own)), dtype=bool)
-    mine[:, inside] = real[:, own[inside]]
-    return None if (cells & mine[:, :, None] & ~real[:, None, :]).any() else real
+    return None if (cells & real_queries(real, own)[:, :, None] & ~real[:, None, :]).any() else real
 

@@ -22,38 +22,33 @@ import re
 import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep, queries
-from maskcli.checks.real import by_row, resolve
+from maskcli.checks.real import by_row, handed_ids, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
-IDS = ("input_ids", "idx", "tokens")
 DECODES = re.compile(r"decoder|(?<!m)lmhead|causallm|languagemodel|gpt|caption|generat", re.IGNORECASE)  # (not MaskedLM, XLM)
 STEPS = 3  # model calls in a row at least, each one token longer
 
 
 def _ids(top) -> np.ndarray | None:
-    arguments = top.arguments
-    found = next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray)), None)
-    if found is None and isinstance(arguments.get("first_ids"), tuple):
-        found = arguments["first_ids"][1]
-    return found if found is not None and found.ndim == 2 and found.size else None
+    said = handed_ids(top.arguments)
+    return said[1] if said is not None and said[1].size else None
 
 
 def _loops(run: Run) -> list[tuple[int, list]]:
     """(the first call's length, the tops of the loop after its first) of each run of STEPS or more calls of one
     module whose ids extend the last call's by one token."""
-    found, chain, last = [], [], None
+    found, chain = [], []  # (chain: (top, its ids) of the run so far)
     for top in [*run.tops, None]:
         ids = None if top is None else _ids(top)
-        grows = ids is not None and last is not None and chain and top.where == chain[-1][0].where \
-            and ids.shape == (last.shape[0], last.shape[1] + 1) and np.array_equal(ids[:, :-1], last)
-        if grows:
+        last = chain[-1][1] if chain else None
+        if ids is not None and last is not None and top.where == chain[-1][0].where \
+                and ids.shape == (last.shape[0], last.shape[1] + 1) and np.array_equal(ids[:, :-1], last):
             chain.append((top, ids))
-        else:
-            if len(chain) >= STEPS:
-                found.append((chain[0][1].shape[1], [t for t, _ in chain[1:]]))
-            chain = [] if ids is None else [(top, ids)]
-        last = ids if ids is not None else (last if grows else None)
+            continue
+        if len(chain) >= STEPS:
+            found.append((chain[0][1].shape[1], [t for t, _ in chain[1:]]))
+        chain = [] if ids is None else [(top, ids)]
     return found
 
 

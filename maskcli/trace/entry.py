@@ -26,7 +26,7 @@ import maskcli.trace.assigned as assigned
 from maskcli.trace.after import MULS
 from maskcli.trace.discarded import FILLS, wanted as _fill
 from maskcli.trace.maskfacts import attention_bias
-from maskcli.trace.maskmean import MEANS, REDUCES, pooled, reduced
+from maskcli.trace.maskmean import MEANS, REDUCES, over_positions, reduced
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
 from maskcli.trace.permuted import GATHERS, noted
@@ -40,8 +40,8 @@ compiling = torch.compiler.is_dynamo_compiling
 TENSOR = {"softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
           "to": "to", "half": "half", "bfloat16": "bfloat16", "type": "type", "type_as": "type_as",
           "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "__rsub__": "__rsub__",
-          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm", "masked_fill": "masked_fill", "sum": "sum", "mean": "mean",
-          "gather": "gather"}
+          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm", "masked_fill": "masked_fill", "sum": "sum",
+          "mean": "mean", "gather": "gather"}
 TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul", "mm", "masked_fill", "sum", "mean", "gather")
 CANONICAL: dict = {}  # a wrapper -> the function it stands for (what the mode is handed, while it is on, for a method)
 
@@ -132,7 +132,8 @@ def _sum(args: tuple, kwargs: dict, out) -> bool:
 _FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
 
 
-_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: _fill, REDUCE: reduced, MEAN: pooled, PERMUTE: None}
+_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: _fill, REDUCE: reduced, MEAN: over_positions,
+           PERMUTE: None}
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,8 +158,8 @@ def patch(trace) -> list:
             continue
         held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
         kind = ATTENTION if stands_for in readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
-            else FILL if stands_for in FILLS else MEAN if stands_for in MEANS else REDUCE if stands_for in REDUCES else PERMUTE if stands_for in GATHERS \
-            else SUM
+            else FILL if stands_for in FILLS else MEAN if stands_for in MEANS else REDUCE if stands_for in REDUCES \
+            else PERMUTE if stands_for in GATHERS else SUM
         wrapper = _wrapper(trace, original, stands_for, kind)
         setattr(owner, name, wrapper)
         done.append((owner, name, held, wrapper))

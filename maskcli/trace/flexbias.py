@@ -30,11 +30,8 @@ def score_bias(score_mod, seen) -> dict | None:
                                       (batch, heads, q_len, k_len)).to(torch.float64)
     except Exception:  # noqa: BLE001 - a score_mod that does not run so: nothing read
         return None
-    keep = np.zeros((batch, heads, q_len, k_len), dtype=bool)
-    for bb in range(batch):
-        for hh in range(heads):
-            plane = (bb if planes[0] > 1 else 0) * planes[1] + (hh if planes[1] > 1 else 0)
-            keep[bb, hh] = seen.intervals.dense(plane, 0, q_len)
-    keep &= ~torch.isneginf(bias).numpy()
+    stored = np.stack([seen.intervals.dense(plane, 0, q_len) for plane in range(planes[0] * planes[1])])
+    keep = np.broadcast_to(stored.reshape(*planes, q_len, k_len), (batch, heads, q_len, k_len)) \
+        & ~torch.isneginf(bias).numpy()  # (each (b, h) plane the intervals keep once, broadcast where they repeat)
     bias = bias.masked_fill(torch.from_numpy(~keep), 0.0)
     return posbias.profile((bias,), bias, torch.from_numpy(keep))

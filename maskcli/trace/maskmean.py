@@ -45,7 +45,7 @@ def reduced(args: tuple, kwargs: dict, out) -> bool:
         and isinstance(_dim(args, kwargs), int)
 
 
-def pooled(args: tuple, kwargs: dict, out) -> bool:
+def over_positions(args: tuple, kwargs: dict, out) -> bool:
     """A mean over axis 1 of a (B, L, D) float tensor (entry.py's wanted MEAN: every mean passes here, the norms' over
     the last axis too, so it asks little)."""
     if type(out) is not torch.Tensor or not args or type(args[0]) is not torch.Tensor or args[0].dim() != 3:
@@ -68,7 +68,7 @@ class MaskMean:
         """A sum remembered, a count followed through a call keeping its elements, a division looked at."""
         try:
             if func in MEANS:
-                if pooled(args, kwargs, out) and calls:
+                if over_positions(args, kwargs, out) and calls:
                     with unseen():
                         self._meaned(args[0], calls)
             elif func in REDUCES:

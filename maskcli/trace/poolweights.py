@@ -112,21 +112,18 @@ class Pool:
             found = trace._pools.setdefault(id(held), [])
         if len(found) >= MOST:
             return
+        from maskcli.trace.held import padding
+
         trace.busy = True  # (its reads are maskcli's: no wrapper, nor the mode, takes them for the program's)
         try:
             with torch._C.DisableTorchFunction(), torch.no_grad():
                 moved = self.weights.detach().movedim(self.axis, -1)
                 rows, length = int(moved.shape[0]), int(moved.shape[-1])
                 weighed = (moved.reshape(rows, -1, length) > WEIGHED).any(dim=1).cpu().numpy()
-        finally:
-            trace.busy = False
-        from maskcli.trace.held import padding
-
-        trace.busy = True
-        try:  # (the padding the program's frames hold as it pools: a pooling's own lengths, s3prl's `features_len`)
-            held = padding()
-        except (Exception, SystemExit):  # noqa: BLE001 - a frame that cannot be read states nothing
-            held = None
+            try:  # (the padding the program's frames hold as it pools: a pooling's own lengths, s3prl's `features_len`)
+                held = padding()
+            except (Exception, SystemExit):  # noqa: BLE001 - a frame that cannot be read states nothing
+                held = None
         finally:
             trace.busy = False
         found.append({"axis": self.axis, "shape": tuple(int(n) for n in self.weights.shape), "how": self.how,
