@@ -52,6 +52,43 @@ def test_a_left_padded_judge_logits_gathered_at_a_right_padding_length_are_flagg
     assert "tokens: 13-22, padded on the left" in hit["message"]
 
 
+def test_recbole_bert4rec_predict_gathered_at_the_length_of_a_right_padded_history_is_flagged(tmp_path):
+    # RUCAIBox/RecBole 963ea0f1 (PR #1675): BERT4Rec.predict gathered each history's output at `item_seq_len`, the first
+    # pad slot after the [MASK] token at `item_seq_len - 1`; the model's forward is called as a method (`self.forward`
+    # inside predict) and handed no attention_mask: its padding is its ids against `nn.Embedding(padding_idx=0)`
+    [hit] = check_bug(tmp_path, "recbole_bert4rec_predict_gathers_first_pad_position", "pooled-at-padding")[:1]
+    assert "batch row 0 (and rows 1, 2) of BERT4Rec's output is pooled at position 4 by gather(1, ...)" in hit["message"]
+    assert "its ids `item_seq` padded with the pad id 0 the model states" in hit["message"]
+    assert "the row's length taken as its last position" in hit["message"]
+
+
+def test_a_left_padded_sasrec_batch_gathered_at_length_minus_one_is_flagged_and_the_last_column_is_not(tmp_path):
+    [hit] = check_bug(tmp_path, "sasrec_left_padded_histories_gathered_at_length_minus_one", "pooled-at-padding",
+                      POOLPAD)[:1]
+    assert "batch row 1 of SASRec's output is pooled at position 2" in hit["message"]
+    assert "tokens: 5-7, padded on the left" in hit["message"] and "length - 1" in hit["message"]
+
+
+def test_ids_against_a_pad_id_that_is_also_eos_state_no_padding():
+    # a model whose pad id is its eos (GPT-2's convention) may pool at a real eos: its ids say nothing of padding
+    from maskcli.trace.poolrows import _mask
+
+    class Model(torch.nn.Module):
+        def __init__(self, eos):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4, padding_idx=0)
+            self.eos_token_id = eos
+
+        def forward(self, input_ids):
+            return self.emb(input_ids)
+
+    ids = torch.tensor([[5, 6, 0, 0], [5, 6, 7, 8]])
+    assert _mask(Model(eos=0), (ids,), {}) is None
+    mask = _mask(Model(eos=2), (ids,), {})
+    assert mask.tolist() == (ids != 0).tolist() and "pad id 0" in mask.stated_by
+    assert _mask(Model(eos=2), (ids,), {"attention_mask": torch.ones(2, 4)}).tolist() == [[1.0] * 4] * 2
+
+
 def _left_padded_cls(lengths: list[int]):
     """The first (row, position, position) where CLS pooling (position 0 of every row, the upstream `token_embeddings[:, 0]`)
     reads a pad of a batch padded on the left to the longest row: the reference, a loop over rows and positions."""

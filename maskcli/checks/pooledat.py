@@ -41,15 +41,19 @@ def padding_pooled(run: Run) -> list:
             others = f" (and row{'s' if len(bad) > 2 else ''} {', '.join(str(b[0]) for b in bad[1:])})" if len(bad) > 1 else ""
             logits = read.get("what") == "logits"
             where = read.get("module") or top.where  # (a model call inside the outermost one: its own class)
-            guess = ("a first-token (CLS) position taken as if the batch were padded on the right?" if p < tokens[0]
+            guess = ("the row's length taken as its last position (length - 1 is)?" if side == "right" and p == tokens[-1] + 1
+                     else "length - 1, the last position of a row padded on the right, read on a batch padded on the left?"
+                     if side == "left" and p == len(tokens) - 1 and p > 0 else
+                     "a first-token (CLS) position taken as if the batch were padded on the right?" if p < tokens[0]
                      else "a last-token index counting the other padding side?")
+            said = read.get("source") or "the attention_mask it was called with"
             found.append((calls[-1], Finding("pooled-at-padding", (
                 f"batch row {r}{others} of {where}'s {'logits are read' if logits else 'output is pooled'} at "
-                f"position {p} by {read['how']}, a padding position of the attention_mask it was called with (row {r}'s "
+                f"position {p} by {read['how']}, a padding position of {said} (row {r}'s "
                 f"tokens: {spans(tokens)}, padded on the {side}): the row's "
                 f"{'score is a pad token' if logits else 'embedding is a pad token'}'s — {guess}"),
                 expected=f"row {r} pooled at one of its tokens {spans(tokens)}",
-                source=f"attention_mask of {where}", cell=(r, p, p))))
+                source=f"{'ids' if read.get('source') else 'attention_mask'} of {where}", cell=(r, p, p))))
             break
     return found
 

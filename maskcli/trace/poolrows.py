@@ -53,8 +53,10 @@ class PoolRows:
                 mask = _mask(module, args, kwargs)
                 if not _padded(mask) or tuple(mask.shape) != tuple(hidden.shape[:2]):
                     return False
+                source = getattr(mask, "stated_by", None)
                 mask = mask.detach().cpu().numpy() != 0
-            record = {"mask": mask, "reads": [], "what": what, "module": type(module).__name__ if end is None else None}
+            record = {"mask": mask, "reads": [], "what": what, "module": type(module).__name__ if end is None else None,
+                      "source": source}
             if end is None:
                 self.inner.setdefault(first, []).append(record)
             else:
@@ -152,7 +154,8 @@ class PoolRows:
         for top in tops:
             records = [*self.inner.get(getattr(top, "first", None), ()),
                        self.records.get((getattr(top, "first", None), getattr(top, "end", None)))]
-            pooled = [{**read, "mask": record["mask"], "what": record["what"], "module": record["module"]}
+            pooled = [{**read, "mask": record["mask"], "what": record["what"], "module": record["module"],
+                       "source": record.get("source")}
                       for record in records if record is not None for read in record["reads"]]
             if pooled and hasattr(top, "pooled"):
                 top.pooled = pooled
@@ -185,12 +188,27 @@ class PoolRows:
 
 
 def _mask(module, args: tuple, kwargs: dict):
-    """The `attention_mask` a module call was handed."""
+    """The `attention_mask` a module call was handed; where it was handed none, its (B, L) ids against the pad id the
+    model states (its token embedding's padding_idx, its config's pad_token_id: trace/tokenids.py), as the model's own
+    mask would read them (RecBole's `item_seq != 0`, behind `nn.Embedding(padding_idx=0)`), where that id is no eos
+    the program may pool at; else None."""
     mask = kwargs.get("attention_mask")
-    if mask is None and args:
-        from maskcli.trace.tops import _given
+    if mask is None:
+        from maskcli.trace.tops import IDS, _given
 
-        mask = _given(module, args, kwargs)[1].get("attention_mask")
+        signature, given = _given(module, args, kwargs)
+        mask = given.get("attention_mask")
+        if mask is None and "attention_mask" not in given and signature is not None:
+            name = next((n for n in IDS if n in given), next((n for n in signature.parameters if n != "self"), None))
+            ids = given.get(name)
+            if type(ids) is torch.Tensor and ids.dim() == 2 and not ids.is_floating_point() and ids.dtype != torch.bool:
+                from maskcli.trace.tokenids import token_ids
+
+                stated = token_ids(module)
+                pad = stated.get("pad_id")
+                if pad is not None and pad != stated.get("eos_id"):
+                    mask = ids != pad
+                    mask.stated_by = f"its ids `{name}` padded with the pad id {pad} the model states"
     return mask
 
 
@@ -207,6 +225,10 @@ def _hidden(output, kwargs: dict):
     def stated(name: str):
         return output.get(name) if isinstance(output, dict) else getattr(output, name, None)
 
+    if type(output) is torch.Tensor:  # (a hand-written model's forward returning its (B, L, D) output itself)
+        hidden, what = output, "output"
+        return (hidden, what) if hidden.dim() == 3 and hidden.is_floating_point() and hidden.device.type != "meta" \
+            and kwargs.get("labels") is None else (None, "")
     what = "last_hidden_state"
     hidden = stated(what)
     if hidden is None and stated("encoder_last_hidden_state") is None and kwargs.get("labels") is None \
