@@ -29,7 +29,7 @@ import numpy as np
 from maskcli.checks.arguments import document_starts, padded_positions
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries, real_queries
 from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, handed_elsewhere, seen_both_ways, stated_instead
-from maskcli.checks.heldfold import folded_padding, over_memory, padded_batch as _padding
+from maskcli.checks.heldfold import folded_padding, handed_batch, over_memory, padded_batch as _padding, rows_of
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.heldlengths import by_lengths
 from maskcli.checks.heldscript import script_padding
@@ -210,9 +210,13 @@ def held_padding(run: Run) -> list:
         seen_through, picks = True, []
         ids = tuple(h["rows"] for h in helds if h["kind"] == "ids")
         wider = _wider_pairs(helds, rows, k_len)
+        batch = handed_batch(run, call)
         for held in helds:
-            if id(held) in wider:
-                continue  # (a pair mask that calls real what its batch's padding does not is no padding kept to)
+            if id(held) in wider or batch is not None and rows_of(held) == rows:
+                continue  # (a pair mask that calls real what its batch's padding does not is no padding kept to; a
+                # padding of as many rows as the call's, whose model call was handed fewer rows of these keys: the
+                # call's rows are its batch folded with the heads, (B * H): MPNet's sentence run alone over 4 heads,
+                # beside the batch's 4 lengths)
             tables = readings(held, rows, k_len, ids) if _tracks_keys(run, call, held) \
                 and not _per_sequence(run, call, held) else []
             pairs = pair_rows(held, rows, k_len, ids) if tables else []

@@ -8,7 +8,9 @@ padding, and a chunk all of padding is a padding chunk, whose query stands for p
 attention layer was handed by name (`context`: checks/context.crossing), where the chunks are exact (L a multiple of n,
 as many batch rows as chunks) and the held mask is a padded batch (each row one run of real tokens at one edge, one row
 whole: padded_batch, checks/held.py's reading of padding): a self-attention's batch folded with its heads is not
-read so.
+read so. Nor is a padding of as many rows as such a fold's (B * H) where the model call was handed B rows of ids over
+exactly the call's keys (handed_batch): it is another batch's (MPNet's sentence run alone over 4 heads, beside the
+batch's 4 lengths that main() holds).
 """
 
 from __future__ import annotations
@@ -64,3 +66,22 @@ def folded_padding(call, helds) -> list[tuple[dict, np.ndarray]]:
         if folded is not None:
             found.append((held, folded))
     return found
+
+
+def handed_batch(run, call) -> int | None:
+    """The rows of ids over exactly these keys that the call's model call was handed, where the call folds them with
+    more (B * m rows); None elsewhere."""
+    from maskcli.checks.real import SOURCE, TOKENS, handed_ids
+
+    top = run.top(call)
+    ids = None if top is None else handed_ids(top.arguments, (*TOKENS, SOURCE))
+    if ids is None or ids[1].shape[1] != call.shape[3] or call.shape[0] <= ids[1].shape[0] \
+            or call.shape[0] % ids[1].shape[0]:
+        return None
+    return ids[1].shape[0]
+
+
+def rows_of(held: dict) -> int | None:
+    """The batch rows a held padding covers."""
+    found = held["rows"]
+    return found.shape[0] if found.ndim >= 1 and held["kind"] in ("keep", "pad", "lengths", "relative") else None
