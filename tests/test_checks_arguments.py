@@ -929,3 +929,14 @@ def test_packed_training_with_the_configs_cache_builds_no_document_mask(tmp_path
     want = first((1, 24, 24), lambda b, q, k: k <= q and starts[q] != starts[k])
     assert tuple(flagged[0]["cell"]) == want == (0, 7, 0)
     assert "this model's config says use_cache=True, which the call did not turn off" in flagged[0]["message"]
+
+
+def test_multicenter_sepsis_layers_called_without_the_mask_they_built(tmp_path):
+    """BorgwardtLab/multicenter-sepsis 7574e45 (written blind, batch blind-ha; caught before any rule was changed for
+    it): AttentionModel built its padding mask from the stays' lengths and called every encoder layer without it, so
+    an hour's score saw the padding of shorter stays (and later hours). Its fix quiet: its per-instance loss
+    `loss.sum(-1) / (L - invalid.sum(-1))` divides by the count of valid hours (trace/maskmean.py follows `L - count` as
+    the mask's complement), and its hourly 0/1 labels padded with NaN are no input padded with zeros (trace/padend.py)."""
+    [hit] = check_bug(tmp_path, "multicenter_sepsis_attention_model_online_scores_see_future_and_padding",
+                      "padding-ignored")[:1]
+    assert "batch row 1: query 0 sees key 4" in hit["message"]

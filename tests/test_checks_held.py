@@ -1074,3 +1074,11 @@ def test_a_training_batchs_decoder_mask_beside_its_own_greedy_loop_is_not_the_lo
     status, found, report = traced(tmp_path, "seq2seq_greedy_loop_beside_training_batch_decoder_mask", False,
                                    Path(__file__).parent / "data" / "withheld")
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_sentence_run_alone_over_heads_folded_into_the_batch_beside_the_batch_lengths_is_quiet(tmp_path):
+    """quiet-zx's MPNet encoder written small: each sentence run alone folds its 4 heads into the batch, (4, 1, L, L),
+    as many rows as main()'s 4 `lengths`; the model call was handed 1 row of ids over exactly those L keys, so the
+    lengths are another batch's (checks/heldfold.handed_batch), not its rows'. The padded batch keeps to them."""
+    status, found, report = traced(tmp_path, "sentences_alone_heads_folded_beside_batch_lengths_quiet", False, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -113,3 +113,26 @@ def test_a_scripted_function_calling_torch_sum_compiles_and_runs_while_sums_are_
     out = tmp_path / "scripted_sum.json"
     result = CliRunner().invoke(app, ["trace", "--json", str(out), str(program)])
     assert json.loads(out.read_text())["exit_status"] == 0, result.output
+
+
+def test_a_count_of_the_valid_positions_as_the_length_less_the_padding_flags():
+    # multicenter-sepsis' loss: `loss.sum(-1) / (L - invalid.sum(-1))`, the sum zeroed at the invalid (True) steps,
+    # divides by the count of the positions the flags leave out: quiet; the same count under a sum that keeps the
+    # invalid steps' values is said at them. The reference: the padded positions of row 1, written out.
+    import torch
+    import torch.nn.functional as F
+
+    import maskcli
+
+    torch.manual_seed(0)
+    invalid = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    x = torch.rand(2, 5) + 0.5  # (no value 0: every position summed is one the sum holds)
+    q = torch.randn(2, 1, 5, 4)
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, q, q, attn_mask=~invalid[:, None, None, :])
+        good = x.masked_fill(invalid, 0.0).sum(-1) / (invalid.shape[-1] - invalid.sum(-1))
+        assert t.calls[-1].details.get("masked_mean") is None
+        bad = x.sum(-1) / (invalid.shape[-1] - invalid.sum(-1))
+    [said] = t.calls[-1].details["masked_mean"]
+    assert said["row"] == 1 and said["positions"] == [3, 4]
+    assert torch.allclose(good, torch.stack([x[0].mean(), x[1, :3].mean()])) and not torch.allclose(good, bad)

@@ -89,3 +89,18 @@ def test_quiet_where_the_input_is_zero_on_every_sample_the_mask_keeps():
     # (MOMENT's bug, every row padded by half, still reads: the zeros are the n samples at the other end)
     half = np.array([[False] * 4 + [True] * 4])
     assert mirrored(half, half.copy())[0].tolist() == [False] * 4 + [True] * 4
+
+
+def test_a_label_padded_with_nan_is_no_input_padded_with_zeros():
+    # multicenter-sepsis' hourly labels: 0/1 with NaN past each stay's end, held beside the padding mask; their zeros
+    # are negative hours, not samples the padding put there (a tensor of 0 and one other value, NaN aside, is a mask's
+    # or a label's). Real samples with a zero run at one end are read.
+    import torch
+
+    from maskcli.trace.padend import _zeros
+
+    nan = float("nan")
+    labels = torch.tensor([[0.0, 0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, nan, nan]])
+    assert _zeros(labels, (2, 5)) is None
+    series = torch.tensor([[0.3, -1.2, 0.7, 2.0, 0.1], [0.0, 0.0, 0.5, 1.5, -0.4]])
+    assert _zeros(series, (2, 5)).tolist() == [[False] * 5, [True, True, False, False, False]]

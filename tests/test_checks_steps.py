@@ -34,6 +34,12 @@ BUGS = [
     # rule was changed for it): Transformer-XL's mask was the top-left corner of one tril, so a segment's queries never
     # saw the memory of the one before
     ("labml_transformer_xl_memory_keys_masked_by_top_left_tril", "top-left-mask"),
+    # cumc-dbmi/cehrbert 8c98e10 (written blind, batch blind-ha; caught before any rule was changed for it): the cached
+    # decode's look-ahead mask cut from the top-left corner of a rectangle, so each new token saw the first token alone
+    ("cehrbert_gpt_inference_cached_decode_lookahead_mask_top_left", "top-left-mask"),
+    # lightseekorg/tokenspeed#271 (written blind, batch blind-gw): a prefix-cache hit's extend ran its kernel non-causal
+    # over a paged cache already holding the request's new keys: each new token saw the later ones of its request
+    ("tokenspeed_mha_extend_with_kvcache_prefix_hit_not_causal", "causal-lost"),
 ]
 STEPS = Path(__file__).parent / "data" / "caches"
 PREFILLROWS = Path(__file__).parent / "data" / "prefillrows"
@@ -442,3 +448,14 @@ def test_one_sequence_taken_out_of_a_left_padded_batch_is_not_held_to_another_ro
     assert status == 0, report
     assert [f for f in found if f["code"] == "padding-lost"] == [], report
     assert "decode 3  (1,2,1,9)" in report, report
+
+
+def test_a_request_extended_behind_a_cached_system_prompt_without_its_causal_part(tmp_path):
+    """tokenspeed#271 written another way (tests/data/caches): a system prompt prefilled once, causal, then each request
+    run as one extend behind that cached prefix with no mask (the causal part built only while no cache is attached):
+    every new token sees the later tokens of its own request. Said at each extend, the query placed after the 6 cached
+    keys; the fix (bottom-right causal, checked against one pass over both) quiet."""
+    found = check_bug(tmp_path, "prefix_cache_hit_extend_not_causal", "causal-lost", folder=STEPS)
+    assert {tuple(f["cell"]) for f in found} == {(0, 6, 7)}
+    assert "4 queries behind 6 cached keys" in found[0]["message"]
+    assert any("3 queries behind 6 cached keys" in f["message"] for f in found)

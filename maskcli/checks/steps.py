@@ -283,11 +283,21 @@ def causal_lost(run: Run) -> list:
     for (where, _), calls in run.callers().items():
         if not any(call.shape[2] < call.shape[3] for call in calls):
             continue  # no step behind a cache: independent calls (masks built in a loop, one line for all), no prefill
-        if sum(1 for call in calls if 2 <= call.shape[2] == call.shape[3]) < 2:
-            continue  # (one pass of many queries at most: no causal one before another that could have lost it)
+        if sum(1 for call in calls if 2 <= call.shape[2] == call.shape[3]) \
+                + any(2 <= call.shape[2] < call.shape[3] for call in calls) < 2:
+            continue  # (one pass of many queries at most, and no chunk of them behind a cache: no causal call before
+            # another that could have lost it)
         causal = None
         for n, call in enumerate(calls):
             q_len, k_len = call.shape[2:]
+            if causal is not None and 2 <= q_len < k_len:
+                lost = _chunk_sees_later(run, call)  # (a chunk behind the cache: an extend, a chunked prefill)
+                if lost is not None:
+                    b, q, k = first_cell(lost[0])
+                    found.append((call, _lost(where, causal, call, (b, int(lost[1][q]), k), f"{int(lost[0].sum())} such "
+                                              f"cells of real queries and keys, {q_len} queries behind {k_len - q_len} "
+                                              "cached keys")))
+                continue
             if q_len < 2 or q_len != k_len:
                 continue
             if call.api == "mha" and causal is not None and not _decode_follows(calls[n + 1:]):
@@ -315,6 +325,27 @@ def causal_lost(run: Run) -> list:
                 b, h, q, k = first_cell(later)
                 found.append((call, _lost(where, causal, call, (b, q, k), f"{int(later.sum())} such cells")))
     return found
+
+
+def _chunk_sees_later(run: Run, call) -> tuple[np.ndarray, np.ndarray] | None:
+    """(bool (B, Lq, Lk), the queries' positions): real queries of a self-attention chunk of several queries behind cached keys, placed where the
+    model call states (its cache positions) or at the end of the keys, that see later real keys; None where none do.
+    tokenspeed#271: a prefix-cache hit's extend ran its kernel non-causal over a cache already holding the chunk's new
+    keys, so each new token saw the later ones of its chunk."""
+    from maskcli.checks.context import cross
+
+    if cross(call):
+        return None
+    cells = keep(call)
+    if cells is None or cells.shape[0] not in (1, call.shape[0]):
+        return None
+    top = run.top(call)
+    own = queries(call, top)
+    rows = by_row(cells, call.shape[0])
+    real = resolve(call, top, rows)
+    later = rows & real.queries[:, :, None] & real.keys[:, None, :] \
+        & (np.arange(call.shape[3])[None, None, :] > own[None, :, None])
+    return (later, own) if later.any() else None
 
 
 def _lost(where: str, causal, call, cell: tuple, count: str) -> Finding:

@@ -81,7 +81,7 @@ class MaskMean:
             elif len(args) > 1 and getattr(func, "__name__", "") in PRODUCTS:
                 self._weighed(args, out)
             else:
-                self._kept(args, kwargs, out)
+                self._kept(func, args, kwargs, out)
         except (Exception, SystemExit):  # noqa: BLE001 - what the other followers read of this call is read still
             pass
 
@@ -92,13 +92,22 @@ class MaskMean:
         if self._found:
             self._found.clear()
 
-    def _kept(self, args: tuple, kwargs: dict, out) -> None:
-        """A count followed on through a call that keeps its elements (no other tensor in it; a view's sizes)."""
+    def _kept(self, func, args: tuple, kwargs: dict, out) -> None:
+        """A count followed on through a call that keeps its elements (no other tensor in it; a view's sizes); `L -
+        count` (`__rsub__` by the mask's length) on as the count of the positions the mask leaves out (multicenter-sepsis'
+        `labels.shape[-1] - invalid_indices.sum(-1)`: the valid steps' count), another subtraction from it no more."""
         if args and id(args[0]) in self._found and type(out) is torch.Tensor \
                 and (len(args) + len(kwargs) <= 3 or all(type(a) is int for a in args[1:])) \
                 and not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
             held = self._found[id(args[0])]
-            if held[0]() is args[0] and out.numel() == args[0].numel():
+            if held[0]() is not args[0] or out.numel() != args[0].numel():
+                return
+            name = getattr(func, "__name__", "")
+            if name in ("__rsub__", "rsub") and len(held) == 2:
+                if len(args) > 1 and args[1] == held[1].shape[1]:
+                    self._follow(out, ~held[1])
+                return
+            if name not in ("neg", "__neg__", "negative"):
                 self._follow(out, *held[1:])
 
     def _follow(self, count: torch.Tensor, mask: np.ndarray, *divided) -> None:

@@ -76,9 +76,10 @@ def _zeros(value, shape: tuple) -> np.ndarray | None:
     with torch.no_grad():
         cells = value.detach()
         zero = cells == 0
-        others = cells[~zero]
+        others = cells[~zero & ~torch.isnan(cells)]
         # (a float mask or bias over the samples, 0 and one other value, e.g. 0 / -inf / finfo.min / 1: a mask's zeros
-        # are kept samples, not a padding value; only values that vary are samples)
+        # are kept samples, not a padding value; only values that vary are samples. NaN left out: a 0/1 label padded
+        # with NaN, multicenter-sepsis' hourly `labels`, is no input)
         mask_like = others.numel() == 0 or bool((others == others.reshape(-1)[0]).all())
         zero = None if mask_like else (zero if axis is None else zero.all(axis)).cpu().numpy()
     if len(_READ) > 256:
