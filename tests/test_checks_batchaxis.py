@@ -113,3 +113,15 @@ def test_loader_time_major_collate_quiet(tmp_path):
     loader into a batch_first=True one."""
     status, found, report = traced(tmp_path, "loader_time_major_collate_correct", False, BATCH)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_beam_search_rerunning_its_prefix_whose_length_meets_the_batch_size_is_quiet(tmp_path):
+    """quiet-zx (written blind): CodeXGLUE's code-to-text Seq2Seq beam search over 4 sources, each source's 3 beams
+    re-running their whole prefix through a seq-first nn.TransformerDecoder, then one source run alone. At its fourth
+    turn the decoder's self-attention has 4 keys, the batch's 4 samples by number alone; the run alone has 4 there too
+    at the same turn (its first turn's 1 key is no statement about the fourth): quiet."""
+    folder = Path(__file__).parent / "data" / "quiet_blind"
+    status, found, report = traced(tmp_path, "quiet_codexglue_code_to_text_beam_reorder_full_prefix_memory_pad_mask",
+                                   False, folder)
+    assert [f for f in found if f["code"] == "batch-axis-attended"] == [], report
+    assert status == 0, report

@@ -15,7 +15,9 @@ values: trace/samplerows.py) states that their first axis is the batch, ids or n
 DeepTab's FT-Transformer). A call of the batch whose keys are as many as its samples (B > 1) and whose batch rows are
 not, where the same site run on the one sample has one key and the same batch rows (its keys follow the samples,
 its batch rows do not), attends across the batch (DeepTab d2abc5a: nn.TransformerEncoderLayer left at
-batch_first=False). Quiet where the site's keys are the same in both runs (the tokens of each sample).
+batch_first=False). Quiet where the site's keys are the same in both runs (the tokens of each sample). Each call is
+held against the site's call of the same turn in the run alone: a beam search re-running its growing prefix has 1 key
+at its first turn and as many as the batch's samples at some later one, in both runs (CodeXGLUE's, quiet-zx).
 
 A batch a DataLoader's default collate stacked, (B, T, D), handed to the model (trace/loaderbatch.py) states that its
 first axis is the samples too: a call whose keys are its B samples and whose batch rows its T steps attends across the
@@ -167,12 +169,13 @@ def _run_alone(run: Run) -> list:
     """Calls of a batch whose keys are its samples, where the program runs one of them alone (_alone)."""
     found = []
     for top, samples, other, sample in _alone(run):
-        alone = {}
+        alone, seen = {}, {}
         for call in run.made_by(other):
-            alone.setdefault(call.where, call.shape)
-        for call in run.made_by(top):
-            rows, k_len = call.shape[0], call.shape[3]
-            there = alone.get(call.where)
+            alone.setdefault(call.where, []).append(call.shape)
+        for call in run.made_by(top):  # (each call against the site's call of the same turn in the run alone: a loop
+            rows, k_len = call.shape[0], call.shape[3]  # whose keys grow, a beam search re-running its prefix, has
+            turn = seen[call.where] = seen.get(call.where, -1) + 1  # 1 key at its first turn, 4 at its fourth)
+            there = alone[call.where][turn] if turn < len(alone.get(call.where, ())) else None
             if k_len != samples or rows == samples or there is None or there[3] != 1 or there[0] != rows:
                 continue
             found += _across(call, f"the {samples} samples given to {top.where} (the program runs sample {sample} "
