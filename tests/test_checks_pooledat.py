@@ -69,6 +69,32 @@ def test_a_left_padded_sasrec_batch_gathered_at_length_minus_one_is_flagged_and_
     assert "tokens: 5-7, padded on the left" in hit["message"] and "length - 1" in hit["message"]
 
 
+def test_torchrl_reward_model_end_scores_read_at_the_last_column_of_a_right_padded_batch_are_flagged(tmp_path):
+    # pytorch/rl#3887 (written blind, batch blind-gy): GPT2RewardModel looked for each row's end by GPT-2's eos id, 50256,
+    # whatever the checkpoint's tokenizer pads with, so no row's end was found and every end score was read from the
+    # last column: `rewards[i, first_pad_ind - 1]`, a value head over GPT2Model's output (a tuple, return_dict=False)
+    [hit] = check_bug(tmp_path, "torchrl_gpt2_reward_model_end_scores_gpt2_pad_id_on_other_tokenizer",
+                      "pooled-at-padding")[:1]
+    assert "batch row 0 of GPT2Model's output is read at position 23 by [row, position] of a head computed over it" \
+        in hit["message"]
+    assert "tokens: 0-10, padded on the right" in hit["message"] and "the last column" in hit["message"]
+
+
+def test_a_critic_reading_left_padded_values_row_by_row_at_length_minus_one_is_flagged(tmp_path):
+    [hit] = check_bug(tmp_path, "ppo_critic_left_padded_values_read_per_row_at_length", "pooled-at-padding", POOLPAD)[:1]
+    assert "batch row 1 of body's output is read at position 2 by [row, position] of a head" in hit["message"]
+    assert "tokens: 5-7, padded on the left" in hit["message"]
+
+
+def test_an_index_of_one_row_and_one_position_is_read_as_that_cell():
+    # the reference: torch's own indexing of one cell, against the row and position read
+    x = torch.arange(3 * 5).view(3, 5)
+    for i, j in [(0, 0), (2, -1), (1, 3)]:
+        rows, positions, how = _indexed((i, j), 3, 5)
+        assert x[i, j].item() == x[rows[0], positions[0]].item() and how == "[row, position]"
+    assert _indexed((3, 0), 3, 5) is None and _indexed((True, 0), 3, 5) is None
+
+
 def test_ids_against_a_pad_id_that_is_also_eos_state_no_padding():
     # a model whose pad id is its eos (GPT-2's convention) may pool at a real eos: its ids say nothing of padding
     from maskcli.trace.poolrows import _mask

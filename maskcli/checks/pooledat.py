@@ -7,8 +7,11 @@ reads (trace/poolrows.py: `last_hidden_state[arange(B), index]`, `[:, -1]`, `gat
 the row's embedding is a pad token's, which the row's tokens never reached as they would run alone. Wrong there: the
 index counts the other padding side (fastembed#680, Echo#24: `attention_mask.sum(1) - 1`, a right-padding length,
 taken as the last position of a left-padded batch; the reverse, `[:, -1]` of a right-padded batch; `[:, 0]` of a
-left-padded one). Quiet where every pooled position is a real token of its row (either fix), on rows with no real
-token, and where the output is read more widely (a slice, a mean over the mask).
+left-padded one). Also a reward or value head over the output read per row (torchrl#3887's end scores at the last
+column of a right-padded batch), and a model handed no attention_mask whose ids and pad id state its padding (RecBole
+963ea0f1: BERT4Rec's predict gathered at `item_seq_len`, one past the row's last item). Quiet where every pooled
+position is a real token of its row (either fix), on rows with no real token, and where the output is read more widely
+(a slice, a mean over the mask).
 """
 
 from __future__ import annotations
@@ -39,16 +42,19 @@ def padding_pooled(run: Run) -> list:
             tokens = np.flatnonzero(real[r])
             side = "left" if not real[r, 0] else "right" if not real[r, -1] else "inside"
             others = f" (and row{'s' if len(bad) > 2 else ''} {', '.join(str(b[0]) for b in bad[1:])})" if len(bad) > 1 else ""
-            logits = read.get("what") == "logits"
+            head = "head" in read["how"]  # (a value or reward head computed over the output, read per row)
+            logits = read.get("what") == "logits" or head
             where = read.get("module") or top.where  # (a model call inside the outermost one: its own class)
             guess = ("the row's length taken as its last position (length - 1 is)?" if side == "right" and p == tokens[-1] + 1
                      else "length - 1, the last position of a row padded on the right, read on a batch padded on the left?"
                      if side == "left" and p == len(tokens) - 1 and p > 0 else
+                     "the last column, read as if the row were unpadded (its end looked for by a pad id its batch does "
+                     "not pad with?)" if side == "right" and p == real.shape[1] - 1 else
                      "a first-token (CLS) position taken as if the batch were padded on the right?" if p < tokens[0]
                      else "a last-token index counting the other padding side?")
             said = read.get("source") or "the attention_mask it was called with"
             found.append((calls[-1], Finding("pooled-at-padding", (
-                f"batch row {r}{others} of {where}'s {'logits are read' if logits else 'output is pooled'} at "
+                f"batch row {r}{others} of {where}'s {'output is read' if head else 'logits are read' if logits else 'output is pooled'} at "
                 f"position {p} by {read['how']}, a padding position of {said} (row {r}'s "
                 f"tokens: {spans(tokens)}, padded on the {side}): the row's "
                 f"{'score is a pad token' if logits else 'embedding is a pad token'}'s — {guess}"),

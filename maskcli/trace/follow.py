@@ -290,7 +290,7 @@ class Follow:
             if followed[3] and not self.busy:  # (what is computed of a softmax's weights: weights.py)
                 self.weights.after(func, args, kwargs, out, self.scores)
             if followed[4] and not self.busy:  # (a model output read at one position per row: poolrows.py)
-                self.poolrows.after(func, args, kwargs)
+                self.poolrows.after(func, args, kwargs, out)
             if followed[6] and not self.busy:  # (rows a row mask states masked out, reaching a sum: rowsout.py)
                 self.rowsout.after(func, args, kwargs, out)
             if followed[7] and not self.busy:  # (an exp's output scaled, filled: rescored.py)

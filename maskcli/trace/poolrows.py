@@ -17,6 +17,13 @@ loss is its own, over every position: a training loop's logits, read no other wa
 call made inside the outermost one (a pipeline's encoder: sentence-transformers' Sequential calls its Transformer
 module, which calls the model, and Pooling reads `token_embeddings[:, 0]` before the Sequential returns) is followed
 the same way (`inside`): its reads are kept on the outermost call's Top, under the inner model's class.
+
+Also followed: a model's output handed back bare, (B, L, D), or first in a tuple (return_dict=False; a hand-written
+model's `(x, attn)`), and a head computed of a followed output position by position (`linear`, `squeeze`, a cast: a
+reward or value head's (B, L) scores), read one cell at a time too (`values[i, j]` in a loop over the rows:
+torchrl#3887's end scores, read at the last column of a right-padded batch). A model call handed no attention_mask
+states its padding by its ids against the pad id the model states (RecBole's BERT4Rec, `nn.Embedding(padding_idx=0)`
+and `item_seq != 0`; not where that id is also its eos).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch
 from maskcli.trace.unseen import unseen
 
 MOST = 4096  # rows x positions of the mask kept at most
+HEADS = frozenset({"linear", "squeeze", "float", "to"})  # position by position: a head over a followed output
 
 
 class PoolRows:
@@ -160,18 +168,27 @@ class PoolRows:
             if pooled and hasattr(top, "pooled"):
                 top.pooled = pooled
 
-    def after(self, func, args: tuple, kwargs: dict) -> None:
-        """Record the position each row is read at, where `func` indexes a followed output."""
+    def after(self, func, args: tuple, kwargs: dict, out=None) -> None:
+        """Record the position each row is read at, where `func` indexes a followed output; a head computed of it
+        position by position (a linear layer over its last axis, that axis squeezed: a reward model's value head,
+        (B, L, D) -> (B, L)) followed on as the same output."""
         given = args[0] if args else None
         held = self._found.get(id(given))
         if held is None or held[0]() is not given:
             return
         try:
-            self._read(func, args, kwargs, given, held[1])
+            if getattr(func, "__name__", "") in HEADS:
+                if type(out) is torch.Tensor and out.dim() >= 2 and out.shape[:2] == given.shape[:2] \
+                        and out.is_floating_point():
+                    key = id(out)
+                    self._found[key] = (weakref.ref(out, lambda _, key=key, found=self._found: found.pop(key, None)),
+                                        held[1], "head")
+                return
+            self._read(func, args, kwargs, given, held[1], len(held) > 2)
         except (Exception, SystemExit):  # noqa: BLE001 - what the other followers read of this call is read still
             pass
 
-    def _read(self, func, args: tuple, kwargs: dict, given: torch.Tensor, record: dict) -> None:
+    def _read(self, func, args: tuple, kwargs: dict, given: torch.Tensor, record: dict, head: bool = False) -> None:
         name = getattr(func, "__name__", "")
         rows, length = given.shape[0], given.shape[1]
         if name == "__getitem__" and len(args) > 1:
@@ -183,8 +200,11 @@ class PoolRows:
         else:
             return
         if read is not None:  # (its pooling, read: followed no longer, so the mode is off again for the rest of the
-            record["reads"].append({"rows": read[0], "positions": read[1], "how": read[2]})  # program: the next
-            self._found.pop(id(given), None)  # model call, an embedder's loop, runs untouched until its own output)
+            record["reads"].append({"rows": read[0], "positions": read[1],  # program: the next
+                                    "how": read[2] + (" of a head computed over it" if head else "")})
+            if read[2] != "[row, position]" or len(record["reads"]) >= rows:  # model call, an embedder's loop, runs
+                self._found.pop(id(given), None)  # untouched until its own output; a loop reading a row at a time
+                # is followed until it has read as many as the rows)
 
 
 def _mask(module, args: tuple, kwargs: dict):
@@ -225,6 +245,8 @@ def _hidden(output, kwargs: dict):
     def stated(name: str):
         return output.get(name) if isinstance(output, dict) else getattr(output, name, None)
 
+    if isinstance(output, tuple) and output and type(output[0]) is torch.Tensor and output[0].dim() == 3:
+        output = output[0]  # (return_dict=False: a model's hidden states first, as a hand-written one returns them)
     if type(output) is torch.Tensor:  # (a hand-written model's forward returning its (B, L, D) output itself)
         hidden, what = output, "output"
         return (hidden, what) if hidden.dim() == 3 and hidden.is_floating_point() and hidden.device.type != "meta" \
@@ -255,6 +277,8 @@ def _indexed(index, rows: int, length: int):
     if isinstance(first, slice) and first == slice(None) and isinstance(second, int) and not isinstance(second, bool) \
             and -length <= second < length:
         return np.arange(rows), np.full(rows, second % length), f"[:, {second}]"
+    if len(index) == 2 and all(type(i) is int for i in index) and 0 <= first < rows and -length <= second < length:
+        return np.array([first]), np.array([second % length]), "[row, position]"  # (one row at a time, in a loop)
     at, where = _ints(first, rows), _ints(second, rows)
     if at is None or where is None or ((where < -length) | (where >= length)).any() or ((at < 0) | (at >= rows)).any():
         return None
