@@ -453,9 +453,14 @@ def test_one_sequence_taken_out_of_a_left_padded_batch_is_not_held_to_another_ro
 def test_a_request_extended_behind_a_cached_system_prompt_without_its_causal_part(tmp_path):
     """tokenspeed#271 written another way (tests/data/caches): a system prompt prefilled once, causal, then each request
     run as one extend behind that cached prefix with no mask (the causal part built only while no cache is attached):
-    every new token sees the later tokens of its own request. Said at each extend, the query placed after the 6 cached
-    keys; the fix (bottom-right causal, checked against one pass over both) quiet."""
-    found = check_bug(tmp_path, "prefix_cache_hit_extend_not_causal", "causal-lost", folder=STEPS)
-    assert {tuple(f["cell"]) for f in found} == {(0, 6, 7)}
-    assert "4 queries behind 6 cached keys" in found[0]["message"]
-    assert any("3 queries behind 6 cached keys" in f["message"] for f in found)
+    every new token sees the later tokens of its own request. The first request's extend continues the prefill (its
+    keys grown by exactly its 4 tokens): a chunked prefill, prefill-chunks-differ's; the second's starts again behind
+    the 6 cached keys: causal-lost, the query placed after them. The fix (bottom-right causal, checked against one pass
+    over both) quiet."""
+    status, found, report = traced(tmp_path, "prefix_cache_hit_extend_not_causal", False, STEPS)
+    assert status == 1, report
+    lost = [f for f in found if f["code"] == "causal-lost"]
+    assert {tuple(f["cell"]) for f in lost} == {(0, 6, 7)} and len(lost) == 2  # (one per layer)
+    assert all("3 queries behind 6 cached keys" in f["message"] for f in lost)
+    assert [f["code"] for f in found if f["severity"] == "wrong" and f not in lost] == ["prefill-chunks-differ"]
+    check_bug(tmp_path, "prefix_cache_hit_extend_not_causal", "causal-lost", folder=STEPS)

@@ -291,7 +291,10 @@ def causal_lost(run: Run) -> list:
         for n, call in enumerate(calls):
             q_len, k_len = call.shape[2:]
             if causal is not None and 2 <= q_len < k_len:
-                lost = _chunk_sees_later(run, call)  # (a chunk behind the cache: an extend, a chunked prefill)
+                if n and calls[n - 1].shape[3] == k_len - q_len:
+                    continue  # (a chunk continuing the call before it, its keys grown by exactly the chunk: a chunked
+                    # prefill, which prefill.py puts together and holds to one pass)
+                lost = _chunk_sees_later(run, call)  # (a chunk behind cached keys: an extend on a prefix-cache hit)
                 if lost is not None:
                     b, q, k = first_cell(lost[0])
                     found.append((call, _lost(where, causal, call, (b, int(lost[1][q]), k), f"{int(lost[0].sum())} such "

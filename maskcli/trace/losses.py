@@ -44,6 +44,7 @@ def watched(trace) -> dict:
         if not trace.tops:  # (reading them finishes the module calls held that have ended: capture.py)
             return None
         found = _counted(target.detach().cpu().numpy().astype(np.int64), weight, ignore)
+        _count(trace.tops[-1], found, ignore)
         for top in reversed(trace.tops[-RECENT:]):
             shifted = None if "next_token" in top.arguments else _of_ids(found, top.arguments, ignore)
             if shifted is not None:
@@ -58,9 +59,19 @@ def watched(trace) -> dict:
 def inside(top, losses) -> None:
     """The targets of losses the model call computed in its own forward (a model given `labels`), read against its ids."""
     for found, ignore in losses:
+        _count(top, found, ignore)
         shifted = None if "next_token" in top.arguments else _of_ids(found, top.arguments, ignore)
         if shifted is not None:
             top.arguments["next_token"] = shifted
+
+
+def _count(top, target: np.ndarray, ignore: int) -> None:
+    """The targets the model call's loss counts (not its ignore index), as they lie: `loss_counted` on the call's
+    arguments, a tuple of bool arrays (checks/emptytrained.py lays each over a call's (B, Lq) queries)."""
+    if target.ndim in (1, 2) and target.size > 1:
+        counted = target != ignore
+        if counted.any():
+            top.arguments["loss_counted"] = (*top.arguments.get("loss_counted", ()), counted)[-RECENT:]
 
 
 def _of_ids(target: np.ndarray, arguments: dict, ignore: int) -> tuple[int, np.ndarray] | None:
