@@ -37,3 +37,13 @@ def test_a_config_stated_sliding_layer_whose_chunk_mask_drops_the_cached_keys(tm
         if expected:
             break
     assert tuple(found[0]["cell"]) == expected, found[0]
+
+
+def test_executorch_qnn_window_update_masking_the_whole_cache_is_flagged_and_its_fix_is_quiet(tmp_path):
+    """pytorch/executorch#20736 (written blind, batch blind-he): the QNN runner's KVManager re-masked every slot written
+    so far once the window filled, so the sliding layer saw the current token alone: window-short, against the full
+    layer of the same step. The fix was 'unwritten-slot' before (one query a step over a static cache with its own key
+    appended after the 15 slots, read as slot j = position j): one query that sees the last key, not the slot at its
+    own position and no other slot past the written ones is the appended layout (checks/cache.py)."""
+    found = check_bug(tmp_path, "executorch_qnn_kv_manager_window_update_masks_whole_cache", "window-short")
+    assert "layer 0 is a sliding layer" in found[0]["message"] and "sees 1 key" in found[0]["message"]

@@ -88,17 +88,20 @@ def _appended(cells: np.ndarray, real: np.ndarray, positions: np.ndarray, end: i
     """The first key column that is no cache slot: k_len - Lq where the step's own keys are appended after the whole
     buffer (an exported static graph's `cat([k_cache, k])`: ExecuTorch's and QNN's llama, a TensorRT runtime's), the
     step's real queries seeing those keys causally and never the slot at their position; else k_len (slot j holds
-    position j)."""
+    position j). One query says it as well: it sees the last key and not the slot at its own position, where its own
+    key would lie were slot j position j (QNN's llama decoding one token a step, ar_len 1: executorch#20736's fix)."""
     k_len, q_len = cells.shape[-1], cells.shape[-2]
     tail = k_len - q_len
-    if tail < end or q_len < 2 or q_len > len(positions):  # (one query seeing the last key says neither layout)
+    if tail < end or q_len > len(positions) or q_len == 1 and int(positions[0]) >= tail:
         return k_len
     asking = np.broadcast_to(real[:, None, :], cells.shape[:3])
     block = cells[..., tail:]  # (B, H, Lq, Lq): the appended keys, causal among the step's queries
     causal = band(q_len, q_len, 0, False)
     at = positions[:q_len].astype(np.int64)
     slot = cells[:, :, np.arange(q_len), np.clip(at, 0, k_len - 1)]  # (B, H, Lq): its slot read as its position
-    if asking.any() and ((block == causal) | ~asking[..., None]).all() and not (slot & asking).any():
+    between = (cells[..., end:tail] & asking[..., None]).any() if q_len == 1 else False  # (one query that sees slots
+    # past its own besides the last one reads slot j as position j: TransformerEngine#119's decode mask turned round)
+    if asking.any() and ((block == causal) | ~asking[..., None]).all() and not (slot & asking).any() and not between:
         return tail
     return k_len
 
