@@ -40,6 +40,10 @@ BUGS = [
     # written blind (batch blind-eu): kohya-ss/sd-scripts 2b07a92c: Flux's DoubleStreamBlock joins the int T5 mask
     # with float ones for the image tokens, so SDPA adds a float 0/1 mask and the padded text stays attended
     ("sd_scripts_flux_double_block_t5_mask_float_added_as_bias", "ones-added"),
+    # ibm-granite/dolomite-engine#63 (3aaba78; written blind, batch blind-hb; caught before any rule was changed for it):
+    # transformers returned no SDPA mask for an unpadded batch at decode and the module passed is_causal=True over
+    # the cache, so the new token saw the first prompt token alone
+    ("dolomite_engine_sdpa_decode_is_causal_without_mask", "top-left-causal"),
 ]
 
 
