@@ -337,8 +337,9 @@ def _chunk_sees_later(run: Run, call) -> tuple[np.ndarray, np.ndarray] | None:
     keys, so each new token saw the later ones of its chunk."""
     from maskcli.checks.context import cross
 
-    if cross(call):
-        return None
+    if cross(call) or call.api == "softmax":  # (a softmax's keys need be no shared sequence: a kNN memory's retrieved
+        return None  # keys, gathered per query, `b h i j d` (memorizing-transformers-pytorch, quiet_blind); a kernel
+        # handed K holds the one sequence its queries read)
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, call.shape[0]):
         return None
