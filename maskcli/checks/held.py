@@ -213,10 +213,7 @@ def held_padding(run: Run) -> list:
         batch = handed_batch(run, call)
         for held in helds:
             if id(held) in wider or batch is not None and rows_of(held) == rows:
-                continue  # (a pair mask that calls real what its batch's padding does not is no padding kept to; a
-                # padding of as many rows as the call's, whose model call was handed fewer rows of these keys: the
-                # call's rows are its batch folded with the heads, (B * H): MPNet's sentence run alone over 4 heads,
-                # beside the batch's 4 lengths)
+                continue  # (a pair mask wider than its batch's padding; another batch's: heldfold.handed_batch)
             tables = readings(held, rows, k_len, ids) if _tracks_keys(run, call, held) \
                 and not _per_sequence(run, call, held) else []
             pairs = pair_rows(held, rows, k_len, ids) if tables else []

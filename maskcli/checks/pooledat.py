@@ -34,6 +34,10 @@ def padding_pooled(run: Run) -> list:
             continue
         for read in top.pooled:
             real = read["mask"]
+            if read.get("source") and (real.shape[0] < 2 or not _kept_to(calls, real)):
+                continue  # (padding read off the ids and a pad id: only over a batch, where the model's own attention
+                # keeps to it; one row holding the id is no padded batch: hyunwoongko's target <unk> is the id 1 its
+                # decoder embedding's padding_idx names)
             rows, positions = read["rows"], read["positions"]
             bad = [(int(r), int(p)) for r, p in zip(rows.tolist(), positions.tolist()) if real[r].any() and not real[r, p]]
             if not bad:
@@ -62,6 +66,26 @@ def padding_pooled(run: Run) -> list:
                 source=f"{'ids' if read.get('source') else 'attention_mask'} of {where}", cell=(r, p, p))))
             break
     return found
+
+
+def _kept_to(calls: list, real: np.ndarray) -> bool:
+    """Some self-attention call over the (B, L) tokens whose real queries see exactly the keys `real` calls real, in
+    every row with a real token: the model's own mask keeps to that padding (RecBole's `item_seq != 0`); a pad id its
+    attention does not mask (hyunwoongko's decoder embedding's padding_idx 1, the program's target pad 0) says nothing."""
+    from maskcli.checks.context import keep
+
+    rows = real.any(axis=1)
+    for call in calls:
+        if call.shape[0] != real.shape[0] or call.shape[2] != real.shape[1] or call.shape[3] != real.shape[1]:
+            continue
+        cells = keep(call)
+        if cells is None or cells.shape[0] not in (1, real.shape[0]):
+            continue
+        seen = np.broadcast_to(cells.any(axis=1), (real.shape[0], *cells.shape[2:]))  # (B, Lq, Lk)
+        by_real = (seen & real[:, :, None]).any(axis=1)  # (B, Lk): keys some real query sees
+        if (by_real[rows] == real[rows]).all():
+            return True
+    return False
 
 
 RULES = (

@@ -202,7 +202,11 @@ class PoolRows:
         if read is not None:  # (its pooling, read: followed no longer, so the mode is off again for the rest of the
             record["reads"].append({"rows": read[0], "positions": read[1],  # program: the next
                                     "how": read[2] + (" of a head computed over it" if head else "")})
-            if read[2] != "[row, position]" or len(record["reads"]) >= rows:  # model call, an embedder's loop, runs
+            cells = [r for r in record["reads"] if r["how"].startswith("[row, position]")]
+            if len(cells) > len({int(r["rows"][0]) for r in cells}):  # (a row read twice: a loop over positions, no
+                record["reads"] = [r for r in record["reads"] if r not in cells]  # pooling; what it read, let go)
+                self._found.pop(id(given), None)
+            elif read[2] != "[row, position]" or len(record["reads"]) >= rows:  # model call, an embedder's loop, runs
                 self._found.pop(id(given), None)  # untouched until its own output; a loop reading a row at a time
                 # is followed until it has read as many as the rows)
 
