@@ -653,12 +653,23 @@ def test_kivi_mistral_flash_prefill_drops_padding_mask(tmp_path):
 def test_x_transformers_autoregressive_wrapper_drops_input_mask(tmp_path):
     """lucidrains/x-transformers d69d33c: AutoregressiveWrapper popped a `mask` already sized for `x[:, :-1]` and never
     put it back (written blind, batch blind-v; caught once a left-padded plain mask was read against the ids, one
-    longer, at the pad id 0). Fix quiet. The first cell: a real query that sees a key the mask calls padding, under
-    the causal mask the layers still apply."""
-    found = check_bug(tmp_path, "x_transformers_autoregressive_wrapper_drops_input_mask", "padding-ignored")
+    longer, at the pad id 0). The first cell: a real query that sees a key the mask calls padding, under the causal
+    mask the layers still apply. The fix keeps that version's mask on the queries as well as the keys (`q_mask *
+    k_mask`, lucidrains' DALLE-pytorch 9bf1f0f slip): each left-padded row's pad queries see no key and take uniform
+    weights over every key under the finite fill, and the loss (ignore_index 0, the pad id) counts the last pad row's
+    target, the row's first real token, which that row attends: empty-rows-trained, true of the fix, and its only
+    wrong finding."""
+    status, found, report = traced(tmp_path, "x_transformers_autoregressive_wrapper_drops_input_mask", False)
+    assert status == 1, report
+    found = [f for f in found if f["code"] == "padding-ignored" and f["severity"] == "wrong"]
     real = [[True] * 9, [False] * 4 + [True] * 5, [False] * 7 + [True] * 2]  # lengths 10, 6, 3 left-padded, minus one
     assert "the mask given to AutoregressiveWrapper" in found[0]["message"]
     assert tuple(found[0]["cell"]) == first((3, 9, 9), lambda b, q, k: real[b][q] and not real[b][k] and k <= q)
+    status, fixed, report = traced(tmp_path, "x_transformers_autoregressive_wrapper_drops_input_mask", True)
+    wrong = [f for f in fixed if f["severity"] == "wrong"]
+    assert {f["code"] for f in wrong} == {"empty-rows-trained"}, report
+    last_pad = [(b, q) for b in range(3) for q in range(9) if not real[b][q] and q + 1 < 9 and real[b][q + 1]]
+    assert {tuple(f["cell"][:2]) for f in wrong} <= set(last_pad) and "(2 such rows in all)" in wrong[0]["message"]
 
 
 def test_an_input_mask_dropped_for_is_causal_on_a_left_padded_batch_is_found(tmp_path):
