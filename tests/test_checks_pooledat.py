@@ -12,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from checkbugs import check_bug, first, traced
+from checkbugs import BUGS, check_bug, first, traced
 from maskcli.checks.context import Run, Top
 from maskcli.checks.pooledat import padding_pooled
 from maskcli.trace.poolrows import _gathered, _hidden, _indexed
@@ -52,40 +53,6 @@ def test_a_left_padded_judge_logits_gathered_at_a_right_padding_length_are_flagg
     assert "tokens: 13-22, padded on the left" in hit["message"]
 
 
-def test_recbole_bert4rec_predict_gathered_at_the_length_of_a_right_padded_history_is_flagged(tmp_path):
-    # RUCAIBox/RecBole 963ea0f1 (PR #1675): BERT4Rec.predict gathered each history's output at `item_seq_len`, the first
-    # pad slot after the [MASK] token at `item_seq_len - 1`; the model's forward is called as a method (`self.forward`
-    # inside predict) and handed no attention_mask: its padding is its ids against `nn.Embedding(padding_idx=0)`
-    [hit] = check_bug(tmp_path, "recbole_bert4rec_predict_gathers_first_pad_position", "pooled-at-padding")[:1]
-    assert "batch row 0 (and rows 1, 2) of BERT4Rec's output is pooled at position 4 by gather(1, ...)" in hit["message"]
-    assert "its ids `item_seq` padded with the pad id 0 the model states" in hit["message"]
-    assert "the row's length taken as its last position" in hit["message"]
-
-
-def test_a_left_padded_sasrec_batch_gathered_at_length_minus_one_is_flagged_and_the_last_column_is_not(tmp_path):
-    [hit] = check_bug(tmp_path, "sasrec_left_padded_histories_gathered_at_length_minus_one", "pooled-at-padding",
-                      POOLPAD)[:1]
-    assert "batch row 1 of SASRec's output is pooled at position 2" in hit["message"]
-    assert "tokens: 5-7, padded on the left" in hit["message"] and "length - 1" in hit["message"]
-
-
-def test_torchrl_reward_model_end_scores_read_at_the_last_column_of_a_right_padded_batch_are_flagged(tmp_path):
-    # pytorch/rl#3887 (written blind, batch blind-gy): GPT2RewardModel looked for each row's end by GPT-2's eos id, 50256,
-    # whatever the checkpoint's tokenizer pads with, so no row's end was found and every end score was read from the
-    # last column: `rewards[i, first_pad_ind - 1]`, a value head over GPT2Model's output (a tuple, return_dict=False)
-    [hit] = check_bug(tmp_path, "torchrl_gpt2_reward_model_end_scores_gpt2_pad_id_on_other_tokenizer",
-                      "pooled-at-padding")[:1]
-    assert "batch row 0 of GPT2Model's output is read at position 23 by [row, position] of a head computed over it" \
-        in hit["message"]
-    assert "tokens: 0-10, padded on the right" in hit["message"] and "the last column" in hit["message"]
-
-
-def test_a_critic_reading_left_padded_values_row_by_row_at_length_minus_one_is_flagged(tmp_path):
-    [hit] = check_bug(tmp_path, "ppo_critic_left_padded_values_read_per_row_at_length", "pooled-at-padding", POOLPAD)[:1]
-    assert "batch row 1 of body's output is read at position 2 by [row, position] of a head" in hit["message"]
-    assert "tokens: 5-7, padded on the left" in hit["message"]
-
-
 def test_an_index_of_one_row_and_one_position_is_read_as_that_cell():
     # the reference: torch's own indexing of one cell, against the row and position read
     x = torch.arange(3 * 5).view(3, 5)
@@ -93,6 +60,32 @@ def test_an_index_of_one_row_and_one_position_is_read_as_that_cell():
         rows, positions, how = _indexed((i, j), 3, 5)
         assert x[i, j].item() == x[rows[0], positions[0]].item() and how == "[row, position]"
     assert _indexed((3, 0), 3, 5) is None and _indexed((True, 0), 3, 5) is None
+
+
+@pytest.mark.parametrize("name, folder, said", [
+    # RUCAIBox/RecBole 963ea0f1 (PR #1675; written blind, blind-gs): BERT4Rec.predict gathered each history's output at
+    # `item_seq_len`, one past the [MASK] at `item_seq_len - 1`; its forward called as a method (`self.forward`) and
+    # handed no attention_mask: its padding is its ids against `nn.Embedding(padding_idx=0)`, which its mask keeps to
+    ("recbole_bert4rec_predict_gathers_first_pad_position", BUGS, [
+        "batch row 0 (and rows 1, 2) of BERT4Rec's output is pooled at position 4 by gather(1, ...)",
+        "its ids `item_seq` padded with the pad id 0 the model states", "the row's length taken as its last position"]),
+    ("sasrec_left_padded_histories_gathered_at_length_minus_one", POOLPAD, [
+        "batch row 1 of SASRec's output is pooled at position 2", "tokens: 5-7, padded on the left", "length - 1"]),
+    # pytorch/rl#3887 (written blind, blind-gy): GPT2RewardModel looked for each row's end by GPT-2's eos id, 50256,
+    # whatever the checkpoint's tokenizer pads with, so every end score was read from the last column:
+    # `rewards[i, first_pad_ind - 1]`, a value head over GPT2Model's output (a tuple, return_dict=False)
+    ("torchrl_gpt2_reward_model_end_scores_gpt2_pad_id_on_other_tokenizer", BUGS, [
+        "batch row 0 of GPT2Model's output is read at position 23 by [row, position] of a head computed over it",
+        "tokens: 0-10, padded on the right", "the last column"]),
+    ("ppo_critic_left_padded_values_read_per_row_at_length", POOLPAD, [
+        "batch row 1 of body's output is read at position 2 by [row, position] of a head",
+        "tokens: 5-7, padded on the left"]),
+])
+def test_outputs_read_at_a_pad_position_by_ids_or_by_a_head_are_flagged_and_their_fixes_are_not(tmp_path, name, folder,
+                                                                                                 said):
+    [hit] = check_bug(tmp_path, name, "pooled-at-padding", folder)[:1]
+    for part in said:
+        assert part in hit["message"]
 
 
 def test_ids_against_a_pad_id_that_is_also_eos_state_no_padding():
