@@ -41,8 +41,8 @@ def test_targets_are_laid_over_the_queries_as_a_loop_reads_them():
     flat = np.array([1, 0, 1, 1, 0, 0, 1, 1], bool)  # (B * Lq) targets, row-major
     shifted = np.array([1, 0, 1, 0, 1, 1], bool)  # (B * (Lq - 1)): the last position's prediction left out
     for counted, width in ((flat, q_len), (shifted, q_len - 1)):
-        laid = _counted(Top("m", arguments={"loss_counted": (counted,)}), rows, q_len)
+        laid = _counted(Top("m", loss_counted=(counted,)), rows, q_len)
         for b in range(rows):
             for q in range(q_len):
                 assert laid[b, q] == (q < width and counted[b * width + q])
-    assert _counted(Top("m", arguments={"loss_counted": (np.ones(5, bool),)}), rows, q_len) is None
+    assert _counted(Top("m", loss_counted=(np.ones(5, bool),)), rows, q_len) is None

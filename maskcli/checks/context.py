@@ -44,6 +44,7 @@ class Top:
     pooled: list = field(default_factory=list)  # rows and positions its output was read at (trace/poolrows.py: pooledat.py)
     rewritten: tuple = ()  # batch masks an earlier call's forward rewrote, begun with (trace/rewritten.py: rewritten.py)
     shapes: tuple = ()  # (name, shape) of each tensor argument of 2 axes or more (trace/handedshapes.py: restarted.py)
+    loss_counted: tuple = ()  # bool targets each loss of the call counts, as they lie (trace/losses.py: emptytrained.py)
 
 
 @dataclass

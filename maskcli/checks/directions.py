@@ -49,11 +49,13 @@ def pass_directions(run: Run, call):
     memo = run.__dict__.setdefault("_directions", {})  # (the layers of a pass hand one mask: read once per mask and
     key = (call.mask, call.shape, id(top), own.tobytes())  # placing, as resolve reads it: the model call's statement)
     if key not in memo:
-        memo[key] = _read_directions(call, top, own)
+        memo[key] = read_directions(call, top, own)
     return memo[key]
 
 
-def _read_directions(call, top, own: np.ndarray):
+def read_directions(call, top, own: np.ndarray):
+    """pass_directions' (later, causal, missed) of a call whose queries sit at `own`, read on its real queries and keys
+    (steps.py reads a chunk behind cached keys so); None where its cells are not kept or nothing real meets."""
     k_len = call.shape[3]
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, call.shape[0]):

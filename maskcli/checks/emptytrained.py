@@ -27,7 +27,7 @@ from maskcli.text import Finding, spans
 
 def _counted(top, rows: int, q_len: int) -> np.ndarray | None:
     """Bool (B, Lq): the query rows whose target the model call's loss counts, where a loss's targets lie over them."""
-    for counted in reversed(top.arguments.get("loss_counted") or ()):
+    for counted in reversed(top.loss_counted):
         if counted.size == rows * q_len:
             return counted.reshape(rows, q_len)
         if counted.size == rows * (q_len - 1):  # (the logits' last position left out: shifted targets)
@@ -41,9 +41,10 @@ def empty_rows_trained(run: Run) -> list:
     for call in run.calls:
         rows, _, q_len, k_len = call.shape
         top = run.top(call)
-        if top is None or q_len != k_len or q_len < 3 or cross(call) or "loss_counted" not in top.arguments:
+        if top is None or q_len != k_len or q_len < 3 or cross(call) or not top.loss_counted:
             continue
-        if not what_api_does(call).startswith("uniform weights over every key"):
+        effect = what_api_does(call)
+        if not effect.startswith("uniform weights over every key"):
             continue
         key = (call.mask, call.shape, id(top))
         if key in done:
@@ -66,7 +67,7 @@ def empty_rows_trained(run: Run) -> list:
         queries = np.flatnonzero(hit[b])
         found.append((call, Finding("empty-rows-trained", (
             f"query row{'s' if len(queries) > 1 else ''} {spans(queries.tolist())} of batch row {b} "
-            f"see{'s' if len(queries) == 1 else ''} no key ({what_api_does(call)}), in a self-attention whose every "
+            f"see{'s' if len(queries) == 1 else ''} no key ({effect}), in a self-attention whose every "
             f"other row sees no later key; the loss of {top.where} counts the targets there ({int(hit.sum())} such rows "
             f"in all), so those predictions are trained on the tokens after them (mask the keys alone, or ignore those "
             "targets)"), "wrong", expected="no trained prediction sees a later token",

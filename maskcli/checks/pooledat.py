@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run
+from maskcli.checks.context import Run, keep
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -46,7 +46,7 @@ def padding_pooled(run: Run) -> list:
             tokens = np.flatnonzero(real[r])
             side = "left" if not real[r, 0] else "right" if not real[r, -1] else "inside"
             others = f" (and row{'s' if len(bad) > 2 else ''} {', '.join(str(b[0]) for b in bad[1:])})" if len(bad) > 1 else ""
-            head = "head" in read["how"]  # (a value or reward head computed over the output, read per row)
+            head = read.get("head", False)  # (a value or reward head computed over the output, read per row)
             logits = read.get("what") == "logits" or head
             where = read.get("module") or top.where  # (a model call inside the outermost one: its own class)
             guess = ("the row's length taken as its last position (length - 1 is)?" if side == "right" and p == tokens[-1] + 1
@@ -72,8 +72,6 @@ def _kept_to(calls: list, real: np.ndarray) -> bool:
     """Some self-attention call over the (B, L) tokens whose real queries see exactly the keys `real` calls real, in
     every row with a real token: the model's own mask keeps to that padding (RecBole's `item_seq != 0`); a pad id its
     attention does not mask (hyunwoongko's decoder embedding's padding_idx 1, the program's target pad 0) says nothing."""
-    from maskcli.checks.context import keep
-
     rows = real.any(axis=1)
     for call in calls:
         if call.shape[0] != real.shape[0] or call.shape[2] != real.shape[1] or call.shape[3] != real.shape[1]:

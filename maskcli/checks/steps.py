@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries, runs, triu
-from maskcli.checks.directions import pass_directions
+from maskcli.checks.context import (Run, columns_are_positions, cross, equals, first_cell, found_padding, keep, queries,
+                                    runs, triu)
+from maskcli.checks.directions import pass_directions, read_directions
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
 from maskcli.checks.registry import Rule
@@ -335,21 +336,13 @@ def _chunk_sees_later(run: Run, call) -> tuple[np.ndarray, np.ndarray] | None:
     model call states (its cache positions) or at the end of the keys, that see later real keys; None where none do.
     tokenspeed#271: a prefix-cache hit's extend ran its kernel non-causal over a cache already holding the chunk's new
     keys, so each new token saw the later ones of its chunk."""
-    from maskcli.checks.context import cross
-
     if cross(call) or call.api == "softmax":  # (a softmax's keys need be no shared sequence: a kNN memory's retrieved
         return None  # keys, gathered per query, `b h i j d` (memorizing-transformers-pytorch, quiet_blind); a kernel
         # handed K holds the one sequence its queries read)
-    cells = keep(call)
-    if cells is None or cells.shape[0] not in (1, call.shape[0]):
-        return None
     top = run.top(call)
     own = queries(call, top)
-    rows = by_row(cells, call.shape[0])
-    real = resolve(call, top, rows)
-    later = rows & real.queries[:, :, None] & real.keys[:, None, :] \
-        & (np.arange(call.shape[3])[None, None, :] > own[None, :, None])
-    return (later, own) if later.any() else None
+    got = read_directions(call, top, own)
+    return (got[0], own) if got is not None and got[0].any() else None
 
 
 def _lost(where: str, causal, call, cell: tuple, count: str) -> Finding:

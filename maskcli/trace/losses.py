@@ -66,12 +66,12 @@ def inside(top, losses) -> None:
 
 
 def _count(top, target: np.ndarray, ignore: int) -> None:
-    """The targets the model call's loss counts (not its ignore index), as they lie: `loss_counted` on the call's
-    arguments, a tuple of bool arrays (checks/emptytrained.py lays each over a call's (B, Lq) queries)."""
+    """The targets the model call's loss counts (not its ignore index), as they lie: the call's `loss_counted`, a tuple
+    of bool arrays (checks/emptytrained.py lays each over a call's (B, Lq) queries)."""
     if target.ndim in (1, 2) and target.size > 1:
         counted = target != ignore
         if counted.any():
-            top.arguments["loss_counted"] = (*top.arguments.get("loss_counted", ()), counted)[-RECENT:]
+            top.loss_counted = (*top.loss_counted, counted)[-RECENT:]
 
 
 def _of_ids(target: np.ndarray, arguments: dict, ignore: int) -> tuple[int, np.ndarray] | None:

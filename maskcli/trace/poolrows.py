@@ -38,6 +38,7 @@ from maskcli.trace.unseen import unseen
 
 MOST = 4096  # rows x positions of the mask kept at most
 HEADS = frozenset({"linear", "squeeze", "float", "to"})  # position by position: a head over a followed output
+CELL = "[row, position]"  # how a one-cell read is said
 
 
 class PoolRows:
@@ -200,15 +201,15 @@ class PoolRows:
         else:
             return
         if read is not None:  # (its pooling, read: followed no longer, so the mode is off again for the rest of the
-            record["reads"].append({"rows": read[0], "positions": read[1],  # program: the next
+            # program: the next model call, an embedder's loop, runs untouched until its own output)
+            record["reads"].append({"rows": read[0], "positions": read[1], "head": head, "cell": read[2] == CELL,
                                     "how": read[2] + (" of a head computed over it" if head else "")})
-            cells = [r for r in record["reads"] if r["how"].startswith("[row, position]")]
+            cells = [r for r in record["reads"] if r["cell"]]
             if len(cells) > len({int(r["rows"][0]) for r in cells}):  # (a row read twice: a loop over positions, no
                 record["reads"] = [r for r in record["reads"] if r not in cells]  # pooling; what it read, let go)
                 self._found.pop(id(given), None)
-            elif read[2] != "[row, position]" or len(record["reads"]) >= rows:  # model call, an embedder's loop, runs
-                self._found.pop(id(given), None)  # untouched until its own output; a loop reading a row at a time
-                # is followed until it has read as many as the rows)
+            elif read[2] != CELL or len(record["reads"]) >= rows:  # (a loop reading a row at a time: followed
+                self._found.pop(id(given), None)  # until it has read as many as the rows)
 
 
 def _mask(module, args: tuple, kwargs: dict):
@@ -282,7 +283,7 @@ def _indexed(index, rows: int, length: int):
             and -length <= second < length:
         return np.arange(rows), np.full(rows, second % length), f"[:, {second}]"
     if len(index) == 2 and all(type(i) is int for i in index) and 0 <= first < rows and -length <= second < length:
-        return np.array([first]), np.array([second % length]), "[row, position]"  # (one row at a time, in a loop)
+        return np.array([first]), np.array([second % length]), CELL  # (one row at a time, in a loop)
     at, where = _ints(first, rows), _ints(second, rows)
     if at is None or where is None or ((where < -length) | (where >= length)).any() or ((at < 0) | (at >= rows)).any():
         return None
