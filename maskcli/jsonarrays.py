@@ -80,7 +80,24 @@ def dense_numbers(text: str) -> np.ndarray | None:
         return None
     if integers and (values.max() == _INT64.max or values.min() == _INT64.min):
         return None  # numpy's reading stops at int64's ends without a word (2**64 reads as 2**63 - 1): json says it
+    if not integers and _past_int64(raw):
+        return None  # (an integer past int64 beside a float: json keeps it a Python int, an object array: json says it)
     return values.reshape(shape)
+
+
+def _past_int64(raw: np.ndarray) -> bool:
+    """Whether an integer literal (a run of 19 digits or more that is no fraction's, no exponent's) lies past int64."""
+    digit = (raw >= ord("0")) & (raw <= ord("9"))
+    edges = np.diff(digit.astype(np.int8), prepend=0, append=0)
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    for start, end in zip(*(side[ends - starts >= 19] for side in (starts, ends))):  # (a few, where any)
+        before = raw[start - 1] if start else 0
+        negative = before == ord("-") and not (start > 1 and raw[start - 2] in b"eE")
+        if end < len(raw) and raw[end] in b".eE" or before in b".eE+" or before == ord("-") and not negative:
+            continue
+        if int(bytes(raw[start:end])) > 2 ** 63 - (0 if negative else 1):
+            return True
+    return False
 
 
 def _split_number(raw: np.ndarray, white: np.ndarray) -> bool:
