@@ -4,7 +4,8 @@
 # ChatGLMAttention adds it to the scores *before* multiplying by the layer's coefficient (layer_id + 1), as the
 # torch original did with its -10000 fill. finfo.min * 2 is -inf in float32: from the second layer on, a left pad's
 # fully masked row becomes all -inf, softmax gives NaN, and the NaN rows of V reach every real token next layer.
-# Fix: the scores are scaled by the layer coefficient first and the finfo.min mask added after, so it stays finite.
+# Fix (the PR's repro is `(scores + finfo.min) * 2 == -inf`; its diff was not read, the reorder here is the minimal
+# one): the scores are scaled by the layer coefficient first and the finfo.min mask added after, so it stays finite.
 import math
 import sys
 
