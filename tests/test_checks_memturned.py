@@ -23,6 +23,28 @@ def test_an_mha_cross_attention_handed_the_real_tokens_as_its_key_padding_mask(t
     assert tuple(hit["cell"]) == expected
 
 
+def test_muse_maskgit_context_mask_keeps_the_zeroed_caption_padding_beside_its_null_key(tmp_path):
+    """lucidrains/muse-maskgit-pytorch 83aea2d (written blind, round 51): `torch.any(text_embeds == 0, dim=-1)` keeps the
+    T5 caption's zeroed padding rows, and a learned null key is prepended to the keys: the image tokens see the null
+    key and the caption's pads, none of its words (the T5 encoder's own mask states which are pads)."""
+    hit = check_bug(tmp_path, "muse_maskgit_text_context_mask_keeps_padding_only", "memory-padding-inverted")[0]
+    caption = [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]  # the program's T5 attention_mask
+    # the first cell where an image token sees a caption pad, key 0 being the null key, by a loop
+    expected = first((2, 16, 9), lambda b, q, k: k >= 1 and caption[b][k - 1] == 0)
+    assert tuple(hit["cell"]) == expected
+    assert "1 key of the attention's own before the memory's left out" in hit["message"]
+
+
+def test_memory_tokens_appended_after_the_frames_beside_a_turned_padding_mask(tmp_path):
+    """Written another way: nn.TransformerEncoder's src_key_padding_mask (True = padding) handed to SDPA's bool mask
+    (True = attend) by a cross-attention that appends 2 memory tokens after the frames."""
+    hit = caught(tmp_path, "cross_attention_memory_tokens_appended_padding_mask_turned", ("memory-padding-inverted",))
+    lengths = [7, 4, 5]
+    expected = first((3, 9, 9), lambda b, q, k: k < 7 and k >= lengths[b])
+    assert tuple(hit["cell"]) == expected
+    assert "2 keys of the attention's own after the memory's left out" in hit["message"]
+
+
 def test_a_cross_attention_that_sees_real_memory_keys_too_is_left_alone(tmp_path):
     """A decoder whose memory mask is one key short of its encoder's padding sees a padding key and the real keys:
     another slip, not this rule's (the mask is not turned round)."""

@@ -39,6 +39,14 @@ def test_right_padded_prompts_handed_to_generate_are_found(tmp_path):
     assert "keys 3-4" in found[0]["message"] and "2 such batch rows" in found[0]["message"]
 
 
+def test_lmms_eval_qwen25_vl_batch_padded_on_the_right_for_generate(tmp_path):
+    # EvolvingLMMs-Lab/lmms-eval#889 (commit 9a180ec6; written blind, round 51, caught before any rule was changed for
+    # it): Qwen2_5_VL.generate_until left the processor's right padding on a batch of image + question prompts
+    found = check_bug(tmp_path, "lmms_eval_qwen25vl_batched_generate_right_padding", "continued-from-padding")
+    assert found[0]["message"].startswith("batch row 0: the first decode step's query (position 26)")
+    assert "not keys 24-25, which the mask calls padding at the end of the 26-token prompt" in found[0]["message"]
+
+
 def _loop(cells: np.ndarray, length: int) -> list[tuple[int, int]]:
     found = []
     for b in range(cells.shape[0]):

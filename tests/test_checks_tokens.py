@@ -609,3 +609,13 @@ def test_labels_are_read_as_the_targets_one_position_on_and_never_unshifted():
     assert _labels_shifted(labels.reshape(-1), labels, -100) is None  # the labels at their own positions: no shift
     padded = np.concatenate([labels[:, 1:], np.full((1, 1, 3), -100)], axis=1)  # ForCausalLMLoss pads with ignore
     assert _labels_shifted(padded.reshape(-1), labels, -100)[1].tolist() == [[True, True, True, False]]
+
+
+def test_axolotl_pretraining_labels_copy_the_padded_input_ids(tmp_path):
+    """axolotl-ai-cloud/axolotl#2227 (commit 3915abee4; written blind, round 51, caught before any rule was changed for
+    it): encode_pretraining's labels are the padded input ids, so the pad after each document is a target the loss
+    trains on while the attention_mask hides it."""
+    pytest.importorskip("transformers")  # (its LlamaForCausalLM: the hf extra)
+    [hit, *_] = check_bug(tmp_path, "axolotl_encode_pretraining_labels_copy_padded_input_ids", "trained-token-masked")
+    assert "a token the program's loss trains on" in hit["message"]
+    assert "attention_mask of LlamaForCausalLM marks padding inside the row" in hit["message"]

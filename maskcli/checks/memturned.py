@@ -61,18 +61,19 @@ class Encoded(NamedTuple):
     copied: tuple = ()  # per row, where the rows were read by content (memrows.Copied: the output row its memory copies)
 
 
-def encoder_padding(run: Run, call, read: dict | None = None) -> Encoded | None:
+def encoder_padding(run: Run, call, read: dict | None = None, k_len: int | None = None) -> Encoded | None:
     """The padding of `call`'s memory (a cross-attention's keys) read off the last bidirectional self-attention before
     it over as many keys of the same batch rows: of the same model call, or of one that made no cross-attention (an
     encoder run on its own, before the decoder's calls), never of the cross-attention's own block (a decoder layer's
     self-attention over its own tokens). Its mask states the padding two ways: an edge run of keys hidden from every
     real query (Uni-Mol's `padding_mask`, nn.TransformerEncoder's src_key_padding_mask), or a segment mask keeping real
     with real and padding with padding (Dia's `create_attn_mask(src, src)`: its runs' lengths differing between rows,
-    or the ids the encoder was handed constant on one of them, the pad id). None where no such call states one."""
+    or the ids the encoder was handed constant on one of them, the pad id). None where no such call states one.
+    `k_len`: the memory's keys where the call has more (keys of its own beside them: memturned._beside)."""
     from maskcli.checks.context import _block
 
     read = {} if read is None else read
-    rows, _, _, k_len = call.shape
+    rows, k_len = call.shape[0], call.shape[3] if k_len is None else k_len
     copied = copied_rows(run, call, rows, read)  # (its rows copies of earlier outputs' rows: checks/memrows.py)
     if copied is not None:
         return _by_content(run, copied, k_len, read)
@@ -218,31 +219,71 @@ def memory_turned(run: Run) -> list:
         if top is None or call.stored is None:
             continue
         rows, _, q_len, k_len = call.shape
-        said = encoder_padding(run, call, read)
-        if said is None or not said.known:
-            continue
-        real, encoder = said.real, said.where
-        key = (call.mask, call.shape, real.tobytes())
-        if key in done:
-            continue
-        done.add(key)
         cells = by_row(call, rows)
         if cells is None:
             continue
-        padded = (~real).any(axis=1)
-        asking = cells.any(axis=-1) & padded[:, None]  # (queries of the padded rows that attend at all)
-        sees_real = (cells & real[:, None, :]).any(axis=-1) & asking
-        sees_pad = cells & ~real[:, None, :] & asking[:, :, None]
-        if sees_real.any() or not sees_pad.any() or not asking.any(axis=1)[padded].all():
+        said, offset = encoder_padding(run, call, read), 0
+        if said is None:
+            said, offset = _beside(run, call, cells, read)
+        if said is None or not said.known:
+            continue
+        real, encoder = said.real, said.where
+        key = (call.mask, call.shape, real.tobytes(), offset)
+        if key in done:
+            continue
+        done.add(key)
+        sees_pad = _turned(cells[:, :, offset:offset + real.shape[1]], real)
+        if sees_pad is None:
             continue
         b, q, k = first_cell(sees_pad)
+        extra = k_len - real.shape[1]
+        beside = (f"; {extra} key{'s' if extra > 1 else ''} of the attention's own {'before' if offset else 'after'} "
+                  f"the memory's left out") if extra else ""
         found.append((call, Finding("memory-padding-inverted", (
-            f"batch row {b}: query {q} sees memory key {k}, which the encoder's own self-attention ({encoder}) masks as "
-            f"padding, and no query of a padded row sees any key that encoder calls real ({int(sees_pad.sum())} such "
-            f"cells): the memory's padding mask handed on the other way round (True = padding read as 1 = attend?)"),
+            f"batch row {b}: query {q} sees memory key {k + offset}, which the encoder's own self-attention ({encoder}) "
+            f"masks as padding, and no query of a padded row sees any key that encoder calls real ({int(sees_pad.sum())} "
+            f"such cells{beside}): the memory's padding mask handed on the other way round (True = padding read as 1 = "
+            f"attend?)"),
             expected="decoder queries see the memory keys its encoder calls real", source=f"the mask of {encoder}",
-            cell=(b, q, k))))
+            cell=(b, q, k + offset))))
     return found
+
+
+def _turned(cells: np.ndarray, real: np.ndarray) -> np.ndarray | None:
+    """The (rows, Lq, Lk) cells where queries of padded rows see padding, where every padded row's queries that attend
+    any of these keys see none its encoder calls real and some see padding; else None."""
+    padded = (~real).any(axis=1)
+    asking = cells.any(axis=-1) & padded[:, None]  # (queries of the padded rows that attend at all)
+    sees_real = (cells & real[:, None, :]).any(axis=-1) & asking
+    sees_pad = cells & ~real[:, None, :] & asking[:, :, None]
+    if sees_real.any() or not sees_pad.any() or not asking.any(axis=1)[padded].all():
+        return None
+    return sees_pad
+
+
+def _beside(run: Run, call, cells: np.ndarray, read: dict) -> tuple:
+    """(Encoded, offset): the memory's padding where the call's keys are an encoder's keys and a few of the attention's
+    own at one end, every query that attends seeing those (a learned null key prepended, muse-maskgit's `null_kv`;
+    memory tokens appended), at the one end where that reading is a turned mask and the other is no correct one (a
+    mask whose queries see only keys the encoder calls real); (None, 0) where none or both read so."""
+    k_len = cells.shape[2]
+    attending = cells.any(axis=-1)
+    for keys in sorted({keys for _, keys in _encoders(run) if 2 <= keys < k_len <= keys + 16}, reverse=True):
+        said = encoder_padding(run, call, read, keys)
+        if said is None or not said.known:
+            continue
+        extra, verdicts = k_len - keys, {}
+        for offset in (0, extra):
+            own = np.r_[0:offset, offset + keys:k_len]
+            if not (cells[:, :, own].all(axis=-1) | ~attending).all():
+                continue
+            sub = cells[:, :, offset:offset + keys]
+            verdicts[offset] = ("right" if not (sub & ~said.real[:, None, :]).any() else
+                                "turned" if _turned(sub, said.real) is not None else "other")
+        turned = [offset for offset, verdict in verdicts.items() if verdict == "turned"]
+        if len(turned) == 1 and "right" not in verdicts.values():
+            return said, turned[0]
+    return None, 0
 
 
 RULES = (

@@ -1,0 +1,98 @@
+"""A self-attention that hides each query's own token from it, while the query sees keys apart from its own.
+
+Every mask a self-attention means keeps a token's own key: causal, windows, padding (for real tokens), prefixes,
+chunks, documents, groups, draft trees. Where, in every batch row, each query that sees any key does not see its own
+(the key at its position: the call's square diagonal, or its queries placed among the keys as placing.queries reads
+them), and some query sees keys that its own would not join into one run, the mask is laid off the tokens: read the
+other way round (Paddle3D#235: mmcv's bool `attn_mask`, True = blocked, handed to Paddle's MultiHeadAttention, which
+reads True = attend, so DN-DETR's denoising groups see every group but their own), or its key positions shifted
+(titans-pytorch 8902334: the MAC mask_mod took `kv_idx - is_persist_mem` for `kv_idx - persist_mem_len`, so each token
+sees the tokens three places back and not itself). Quiet where the mask hides a query's own token on purpose and
+nothing else marks it: each query's kept keys with its own are one run (a strictly causal mask, PixelSNAIL's first
+block; leave-one-out attention, SAITS's diagonal masking, padded or not), the mask is symmetric (a graph's adjacency
+without self-loops), or every query sees the same keys (a key mask alone, whatever its lengths). Judged only where the
+queries' places are known: as many queries as keys, positions the run states, or keys before the queries that every
+attending query sees (a memory or sink prefix), or keys that end with the queries' own (a cache, a segment's memory);
+never on cross-attention, and only over own keys some query sees (a
+padding query's own key is hidden from all).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, crossing, keep
+from maskcli.checks.placing import queries, queries_stated
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def own_hidden(run: Run) -> list:
+    """Self-attention calls whose attending queries never see their own key while seeing keys apart from it."""
+    found, done = [], set()
+    for call in run.calls:
+        rows, _, q_len, k_len = call.shape
+        if q_len < 3 or k_len < q_len or call.stored is None or call.mask in done:
+            continue
+        done.add(call.mask)
+        if crossing(call).cross:
+            continue
+        cells = keep(call)
+        if cells is None:
+            continue
+        read = _read(call, run.top(call), cells.any(axis=1), crossing(call).by == "cache")
+        if read is not None:
+            found.append((call, read))
+    return found
+
+
+def _read(call, top, folded: np.ndarray, cached: bool) -> Finding | None:
+    """The finding of one call's heads-folded (b, Lq, Lk) cells, or None. `cached`: its keys end with its queries'
+    own (a cache, Transformer-XL's memory before the segment)."""
+    q_len, k_len = folded.shape[1:]
+    own = np.asarray(queries(call, top))
+    if own.shape != (q_len,) or (own < 0).any() or (own >= k_len).any():
+        return None
+    attending = folded.any(axis=-1)
+    if not attending.any() or (folded[:, np.arange(q_len), own] & attending).any():
+        return None
+    if (folded == folded[:, :1]).all() or q_len == k_len and (folded == folded.transpose(0, 2, 1)).all():
+        return None  # (a key mask alone; a graph's adjacency without self-loops)
+    if k_len > q_len and not cached and not queries_stated(call, top):
+        ahead = folded[:, :, :k_len - q_len]  # (keys before the queries: placed there only where every attending
+        if not (ahead.all(axis=-1) | ~attending).all():  # query sees them, a memory or sink prefix)
+            return None
+    with_own = folded.copy()
+    with_own[:, np.arange(q_len), own] = True
+    starts = (with_own[:, :, 1:] & ~with_own[:, :, :-1]).sum(axis=-1) + with_own[:, :, 0]
+    seen_by_some = folded.any(axis=1)[:, own]  # (b, Lq): the query's own key is some query's key (not padding)
+    apart = (starts > 1) & attending & seen_by_some
+    if not apart.any():
+        return None
+    b, q = (int(i) for i in np.argwhere(apart)[0])
+    keys = np.flatnonzero(folded[b, q])
+    hidden = int((attending & seen_by_some).sum())
+    return Finding("own-token-hidden", (
+        f"batch row {b}: query {q} sees {_runs(keys)} but not key {int(own[q])}, its own token; no query of this "
+        f"self-attention that sees any key sees its own ({hidden} such queries whose own key others see): the mask "
+        f"laid off the tokens, read the other way round (True = masked handed where True = attend is read?) or its key "
+        f"positions shifted"), expected="each query sees its own token", source="a self-attention's own keys",
+        cell=(b, q, int(own[q])))
+
+
+def _runs(keys: np.ndarray) -> str:
+    """Key indices as runs: `keys 0-3, 7`."""
+    parts, start = [], None
+    for i, key in enumerate(keys):
+        if start is None:
+            start = key
+        if i + 1 == len(keys) or keys[i + 1] != key + 1:
+            parts.append(f"{start}" if start == key else f"{start}-{key}")
+            start = None
+    return ("key " if len(keys) == 1 else "keys ") + ", ".join(parts[:4]) + (", ..." if len(parts) > 4 else "")
+
+
+RULES = (
+    Rule("own-token-hidden", "wrong", "steps", "a self-attention whose queries never see their own token while seeing "
+         "keys apart from it: the mask read the other way round or its key positions shifted", own_hidden),
+)
