@@ -24,7 +24,7 @@ import numpy as np
 from maskcli.checks.context import Run, crossing, keep
 from maskcli.checks.placing import queries, queries_stated
 from maskcli.checks.registry import Rule
-from maskcli.text import Finding
+from maskcli.text import Finding, spans
 
 
 def own_hidden(run: Run) -> list:
@@ -81,14 +81,8 @@ def _read(call, top, folded: np.ndarray, cached: bool) -> Finding | None:
 
 
 def _runs(keys: np.ndarray) -> str:
-    """Key indices as runs: `keys 0-3, 7`."""
-    parts, start = [], None
-    for i, key in enumerate(keys):
-        if start is None:
-            start = key
-        if i + 1 == len(keys) or keys[i + 1] != key + 1:
-            parts.append(f"{start}" if start == key else f"{start}-{key}")
-            start = None
+    """Key indices as runs, the first four: `keys 0-3, 7`."""
+    parts = spans(keys).split(", ")
     return ("key " if len(keys) == 1 else "keys ") + ", ".join(parts[:4]) + (", ..." if len(parts) > 4 else "")
 
 
