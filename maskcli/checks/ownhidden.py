@@ -13,8 +13,9 @@ block; leave-one-out attention, SAITS's diagonal masking, padded or not), the ma
 without self-loops), or every query sees the same keys (a key mask alone, whatever its lengths). Judged only where the
 queries' places are known: as many queries as keys, positions the run states, or keys before the queries that every
 attending query sees (a memory or sink prefix), or keys that end with the queries' own (a cache, a segment's memory);
-never on cross-attention, and only over own keys some query sees (a
-padding query's own key is hidden from all).
+never on cross-attention, nor where the cells read as hidden are hidden by other scores, not a mask (graphormer-pyg's
+fix multiplying the scores by -1e6, which lifts the negative ones: trace/finitefill.py's `scores_hide`), and only over
+own keys some query sees (a padding query's own key is hidden from all).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def own_hidden(run: Run) -> list:
         if q_len < 3 or k_len < q_len or call.stored is None or call.mask in done:
             continue
         done.add(call.mask)
-        if crossing(call).cross:
-            continue
+        if crossing(call).cross or call.details.get("scores_hide"):
+            continue  # (cells hidden by other scores 1e4 and more above them, not by a mask: trace/finitefill.py)
         cells = keep(call)
         if cells is None:
             continue
