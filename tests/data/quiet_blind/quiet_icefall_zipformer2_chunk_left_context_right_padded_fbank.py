@@ -9,7 +9,8 @@
 # left out (the positional part is replaced by nothing; ScaledLinear -> nn.Linear; BiasNorm kept as written).
 # Layout as icefall: (seq_len, batch, channels), a right-padded batch of fbank-like frames with lengths x_lens.
 # Self-check: each utterance run alone on its own frames (no padding, its own chunk mask over its own length); the
-# batch's real frames must match. Also a double loop that rebuilds the chunk/left-context mask frame by frame.
+# batch's real frames must match. Also a double loop that rebuilds the chunk/left-context mask frame by frame from
+# the stated sizes, and a check that perturbing later chunks leaves earlier frames' outputs unchanged.
 import torch
 import torch.nn as nn
 
@@ -229,12 +230,22 @@ with torch.no_grad():
         ref, _ = encode(feats[i:i + 1, :n], x_lens[i:i + 1])
         assert torch.allclose(out[i, :n], ref[0], atol=1e-5), (i, (out[i, :n] - ref[0]).abs().max())
 
-    # reference 2: the chunk mask rebuilt frame by frame (chunk 4, 2 chunks of left context, whole own chunk ahead)
+    # reference 2: the chunk mask rebuilt frame by frame from the stated sizes (chunks of 4 frames, 8 frames of
+    # left context = 2 whole chunks back, look-ahead to the end of the own chunk)
+    CHUNK, LEFT_FRAMES = 4, 8
     chunk_size, left_chunks = model.get_chunk_info()
     mask = model._get_attn_mask(torch.zeros(T, 1, 1), chunk_size, left_chunks)
     for q in range(T):
         for k in range(T):
-            visible = (k // chunk_size <= q // chunk_size) and (k // chunk_size >= q // chunk_size - left_chunks)
+            visible = (k // CHUNK <= q // CHUNK) and (k // CHUNK * CHUNK >= q // CHUNK * CHUNK - LEFT_FRAMES)
             assert bool(mask[q, k]) == (not visible), (q, k)
+
+    # reference 3: frames of later chunks never reach the earlier ones (through both layers)
+    feats2 = feats.clone()
+    feats2[0, 8:19] += 3.0 * torch.randn(11, 20)
+    out2, _ = encode(feats2, x_lens)
+    assert torch.allclose(out2[0, :8], out[0, :8], atol=1e-6)
+    assert not torch.allclose(out2[0, 8:12], out[0, 8:12], atol=1e-3)
+    assert torch.allclose(out2[1:], out[1:], atol=1e-6)
 
 print("ok: chunked zipformer layers over", tuple(x_lens.tolist()), "frames match each utterance alone")
