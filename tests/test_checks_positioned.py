@@ -6,7 +6,9 @@ from pathlib import Path
 import numpy as np
 
 from checkbugs import check_bug, first
-from maskcli.checks.positioned import _within
+from types import SimpleNamespace
+
+from maskcli.checks.positioned import _folded, _within
 
 POSITIONS = Path(__file__).parent / "data" / "positions"
 
@@ -335,3 +337,51 @@ def test_a_forward_that_takes_no_positions_states_its_own_numbering():
             return idx
 
     assert _accepts(Takes().forward) == 2 and _accepts(Numbers().forward) is None
+
+
+def _left_padded_jump(lengths: list[int], width: int, heads: int) -> tuple[int, int, int]:
+    """(the call's folded row, the right position, the position handed) of the first left-padded row at the first
+    decode step, by a loop: the step's position counted by the cache's length against the row's real tokens."""
+    for b, n in enumerate(lengths):
+        if n < width:
+            return b * heads, n, width
+    raise AssertionError
+
+
+def test_xglm_left_padded_decode_positions_count_the_padding(tmp_path):
+    """huggingface/transformers#22828 (written blind, round 52): before position_ids, XGLM numbered a cached step by the
+    cache's length, so a left-padded row's first new token counts its pads; the eager softmax folds 2 heads into the
+    batch (4 rows for the 2 prompts)."""
+    [hit] = check_bug(tmp_path, "transformers_xglm_incoder_left_padded_decode_positions_count_pads", "positions-vs-keys")
+    row, right, handed = _left_padded_jump([14, 6], 14, 2)
+    assert hit["message"].startswith(f"batch row {row}: query 0 sees one key more than the site's previous step's last "
+                                     f"query (at position {right - 1}), yet its position is {handed}, not {right}")
+
+
+def test_folded_heads_decode_numbered_by_the_cache_length(tmp_path):
+    """Written another way: a fairseq-style (B * H, L, L) softmax over a left-padded batch, each decode step handed
+    `position = cache length`."""
+    [hit] = check_bug(tmp_path, "folded_heads_left_padded_decode_positions_count_pads", "positions-vs-keys", POSITIONS)
+    row, right, handed = _left_padded_jump([6, 3], 6, 2)
+    assert f"batch row {row}: query 0" in hit["message"] and f"yet its position is {handed}, not {right}" in hit["message"]
+    assert "counts the row's 3 padding keys" in hit["message"]
+
+
+def _call(cells: np.ndarray):
+    return SimpleNamespace(shape=(cells.shape[0], 1, *cells.shape[1:]))
+
+
+def test_positions_are_laid_over_rows_folded_with_heads_or_tiled_as_the_masks_agree(monkeypatch):
+    positions = np.array([[0, 1, 2], [-1, 0, 1]])
+    real = np.array([[1, 1, 1], [0, 1, 1]], bool)
+    causal = np.tril(np.ones((3, 3), bool))
+    row = lambda b: causal & real[b][None, :]  # noqa: E731 - each prompt's mask, by its row
+    interleaved = np.stack([row(b // 2) for b in range(4)])[:, None]  # (B * H): each row's heads together
+    tiled = np.stack([row(b % 2) for b in range(4)])[:, None]  # (H * B): the batch repeated per head
+    for cells, expected in ((interleaved, [positions[b // 2] for b in range(4)]),
+                            (tiled, [positions[b % 2] for b in range(4)])):
+        monkeypatch.setattr("maskcli.checks.positioned.keep", lambda call, cells=cells: cells)
+        assert np.array_equal(_folded(_call(cells[:, 0]), positions), np.array(expected))
+    mixed = np.stack([row(0), row(1), row(1), row(0)])[:, None]  # (neither: no reading)
+    monkeypatch.setattr("maskcli.checks.positioned.keep", lambda call: mixed)
+    assert _folded(_call(mixed[:, 0]), positions) is None

@@ -36,3 +36,24 @@ def test_scores_far_apart_hide_cells_of_their_own():
     masked, details = _read(scores + torch.tensor([0.0, 0.0, 0.0, -10000.0]))
     assert details.get("additive") and details["scores_hide"] == 1e5
     assert torch.equal(masked, torch.softmax(scores + torch.tensor([0.0, 0.0, 0.0, -10000.0]), -1) == 0)
+
+
+def test_a_round_fill_nearer_zero_is_a_fill_where_softmax_zeroes_its_cells():
+    """icefall's Zipformer masks with masked_fill(mask, -1000.0): a whole number above -1e4, each cell weight exactly 0
+    beside ordinary scores (a row filled whole keeps the reading); the cells read are the mask's, by a loop."""
+    scores = torch.randn(2, 1, 5, 5)
+    lengths = [5, 3]
+    hide = torch.tensor([[[[k >= lengths[b] or abs(q - k) > 2 for k in range(5)] for q in range(5)]] for b in range(2)])
+    hide[1, 0, 4] = True  # (a query row filled whole)
+    masked, details = _read(scores.masked_fill(hide, -1000.0))
+    assert torch.equal(masked, hide) and details == {"fill": "finite", "fill_value": -1000.0}
+
+
+def test_a_least_score_that_is_no_round_fill_or_leaves_weight_is_no_fill():
+    scores = torch.randn(1, 1, 4, 4)
+    for low in (-150.5, -50.0):  # (not a whole number; a whole number whose cells keep some weight, e^-50 > 0)
+        masked, details = _read(scores.masked_fill(torch.eye(4, dtype=torch.bool), low))
+        assert not masked.any() and details == {"fill": None}, low
+    one = scores.clone()
+    one[0, 0, 0, 1] = -1000.0  # (one cell alone: no mask's)
+    assert not _read(one)[0].any()

@@ -73,14 +73,32 @@ def _placed(calls: list, positions: np.ndarray) -> list:
         found = []
         for call in calls:
             batch = call.shape[0]
-            if rows not in (1, batch):
+            laid = np.broadcast_to(positions, (batch, length)) if rows in (1, batch) else _folded(call, positions)
+            if laid is None:
                 return []
-            found.append((call, np.arange(batch), np.broadcast_to(positions, (batch, length))))
+            found.append((call, np.arange(batch), laid))
         return found
     if rows == 1 and len(calls) > 1 and sum(lens) == length and all(call.shape[0] == 1 for call in calls):
         starts = np.cumsum([0] + lens)  # one call per request, their tokens one after the other (a ragged batch)
         return [(call, np.array([i]), positions[:, starts[i]:starts[i + 1]]) for i, call in enumerate(calls)]
     return []
+
+
+def _folded(call, positions: np.ndarray) -> np.ndarray | None:
+    """The positions (rows, L) laid over a call whose batch folds each row with its heads or beams (B·n rows): each row
+    repeated n times where the call's masks agree within each run of n rows (XGLM's eager (B·H, L, L) softmax,
+    generate's expanded beams), tiled where they agree across the n blocks instead; None where neither reads alone."""
+    rows, batch = positions.shape[0], call.shape[0]
+    cells = keep(call)
+    if batch % rows or cells is None or cells.shape[0] != batch:
+        return None
+    folded, times = cells.any(axis=1), batch // rows
+    each = (folded.reshape(rows, times, *folded.shape[1:]) == folded[::times][:, None]).all()
+    tiled = (folded.reshape(times, rows, *folded.shape[1:]) == folded[:rows][None]).all()
+    repeated, tiles = np.repeat(positions, times, axis=0), np.tile(positions, (times, 1))
+    if each and (not tiled or np.array_equal(repeated, tiles)):
+        return repeated
+    return tiles if tiled and not each else None
 
 
 def _seen(call, top) -> tuple[np.ndarray, np.ndarray] | None:

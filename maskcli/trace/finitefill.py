@@ -1,6 +1,7 @@
 """A finite fill or an additive mask in a softmax's scores, and the cells it masks (trace/masks.py's softmax reader).
 
-A finite fill is one constant at most -1e4 (masked_fill(mask == 0, -1e9)); several such values are an additive mask
+A finite fill is one constant at most -1e4 (masked_fill(mask == 0, -1e9)), or a whole number nearer zero that the
+softmax turns to weight exactly 0 (icefall's -1000.0: _round_fill); several such values are an additive mask
 added to the scores (BERT's (1 - mask) * -10000 + score), read as masked where softmax gives a cell weight exactly 0.
 That reading holds where the scores themselves are ordinary (a few tens apart): softmax then zeroes only what the mask
 lowered. Scores that lie 1e4 and more apart (a converted checkpoint's outlier activations, unscaled q @ kᵀ) zero cells
@@ -24,6 +25,12 @@ def finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Ten
     a fill, so the cells are read as masked where softmax gives them weight exactly 0, as the program computes."""
     near = (scores <= FILL_AT_MOST / 2) & (scores != lowest) & torch.isfinite(scores)  # (-1e4 + a score: either side;
     low, values = near & (scores <= FILL_AT_MOST), scores[near]  # an additive mask's cells may all sit above -1e4)
+    if not len(values):
+        round_fill = _round_fill(scores, lowest)
+        if round_fill is not None:
+            details["fill_value"] = float(scores[round_fill][0])
+            details["fill"] = details["fill"] or "finite"
+            return round_fill
     if not len(values) or bool((values == values[0]).all()):
         if bool(low.any()):
             details["fill_value"] = float(values[0])
@@ -35,3 +42,27 @@ def finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Ten
         finite = scores[torch.isfinite(scores) & (scores != lowest)]
         details["scores_hide"] = float(finite.abs().max())
     return zero
+
+
+ROUND_FILL_AT_MOST = -100.0  # a round fill above -1e4 (icefall's Zipformer: masked_fill(mask, -1000.0))
+
+
+def _round_fill(scores: torch.Tensor, lowest: float) -> torch.Tensor | None:
+    """The cells of a fill above -1e4 (-1000.0, -100.0): the scores' least finite value, a whole number at most -100, held
+    by two cells or more, each given weight exactly 0 by the softmax (or in a row filled whole); else None. A q @ kᵀ
+    score is no whole number repeated, so such cells are a mask's; a fill that leaves its cells some weight masks
+    nothing fully and is not read as one."""
+    finite = torch.isfinite(scores) & (scores != lowest)
+    if not bool(finite.any()):
+        return None
+    least = float(torch.where(finite, scores, torch.inf).amin())
+    if least > ROUND_FILL_AT_MOST or least != round(least):
+        return None
+    low = scores == least
+    if int(low.sum()) < 2:
+        return None
+    whole = (low | ~finite).all(dim=-1, keepdim=True)
+    zero = torch.softmax(scores.float(), dim=-1) == 0
+    if not bool((~low | zero | whole).all()):
+        return None
+    return low
