@@ -20,6 +20,18 @@ def test_mlx_lm_gemma2_gqa_mask_broadcast_batch(tmp_path):
     check_bug(tmp_path, "mlx_lm_gemma2_gqa_mask_broadcast_batch", "padding-per-head")
 
 
+def test_uvadlc_tutorial_padding_mask_broadcast_over_heads(tmp_path):
+    """phlippe/uvadlc_notebooks ac42535 (written blind, round 52, caught before any rule was changed for it): tutorial 6's
+    [B, 1, L] mask handed to masked_fill on [B, H, L, L] scores with B == H, so head h of every row masks with row h's
+    padding. The first key (by a loop over rows, heads and keys) one head hides and another of its row shows."""
+    hit = next(f for f in check_bug(tmp_path, "uvadlc_tutorial6_3d_padding_mask_broadcast_over_heads", "padding-per-head"))
+    real = torch.arange(6)[None, :] < torch.tensor([6, 4, 5, 3])[:, None]
+    laid = real[None, :, :].expand(4, 4, 6)  # (row b, head h) masked with row h's padding
+    odd = first((4, 4, 6), lambda b, h, k: bool(not laid[b, h, k] and laid[b, :, k].any()))
+    assert tuple(hit["cell"]) == (odd[0], odd[2], odd[2])
+    assert hit["message"].startswith(f"batch row {odd[0]}: heads 1-3 hide keys 4-5 from every query")
+
+
 def test_padding_repeated_over_heads(tmp_path):
     """Written another way: right padding, SDPA, the (batch * heads) padding built with .repeat; the key reported is
     the first a double loop over rows, heads and keys finds hidden from every query of one head and shown by another."""
