@@ -53,6 +53,9 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # local_window_size, so a dataclass config's sliding_window (every layer_types entry sliding) ran full causal,
     # prefill and cached decode
     ("mobius_direct_gqa_path_drops_sliding_window", "window-missing"),
+    # ARISE-Initiative/robomimic#196 (written blind, blind-hs, caught before tuning): `algo.transformer.causal = False`
+    # dropped on its way from the config to GPT_Backbone, whose tril buffer keeps every block causal
+    ("robomimic_bc_transformer_causal_false_config_ignored", "bidirectional-run-causal"),
 ]
 
 

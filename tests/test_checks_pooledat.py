@@ -77,6 +77,15 @@ def test_an_index_of_one_row_and_one_position_is_read_as_that_cell():
     ("torchrl_gpt2_reward_model_end_scores_gpt2_pad_id_on_other_tokenizer", BUGS, [
         "batch row 0 of GPT2Model's output is read at position 23 by [row, position] of a head computed over it",
         "tokens: 0-10, padded on the right", "the last column"]),
+    # TensorAuto/OpenTau#524 (written blind, blind-hs; missed before tuning): a value head read at `[:, -1]` (inference)
+    # and `[:, -response_max_length - 1]` (training), pad slots of the right-padded prompt, of a Gemma model handed a 4-D bool mask of the program's own (pad x pad) as the
+    # {full, sliding} mapping: its rows' tokens are the queries that see some key
+    ("opentau_value_readout_from_padded_prompt_tail", BUGS, [
+        "batch row 0 (and row 1) of Gemma3TextModel's output is pooled at position 17 by [:, -5]",  # (training's readout)
+        "a padding position of the 4-D attention_mask it was called with (where a query row sees no key)"]),
+    ("reward_encoder_4d_pad_mask_read_at_last_column", POOLPAD, [
+        "batch row 1 (and row 2) of Encoder's output is pooled at position 6 by [:, -1]", "tokens: 0-2, padded on the right",
+        "the 4-D attention_mask it was called with"]),
     ("ppo_critic_left_padded_values_read_per_row_at_length", POOLPAD, [
         "batch row 1 of body's output is read at position 2 by [row, position] of a head",
         "tokens: 5-7, padded on the left"]),
@@ -191,3 +200,24 @@ def test_logits_are_followed_only_where_they_are_the_call_s_own_positions():
     assert _hidden({"logits": logits}, {"decoder_input_ids": torch.zeros(2, 5)})[0] is None
     assert _hidden({"logits": logits}, {"labels": torch.zeros(2, 5)})[0] is None  # its loss over every position
     assert _hidden({"logits": torch.zeros(2, 11)}, {})[0] is None  # a classifier's (B, C): no positions
+
+
+def test_a_4d_mask_states_its_rows_tokens_as_the_queries_that_see_some_key():
+    from maskcli.trace.poolrows import _mask
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            return input_ids
+
+    pad = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    keep = pad[:, None, :, None] & pad[:, None, None, :]
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    assert _mask(Model(), (ids,), {"attention_mask": keep}).tolist() == pad.tolist()
+    additive = torch.zeros(2, 1, 4, 4).masked_fill(~keep, torch.finfo(torch.float32).min)
+    assert _mask(Model(), (ids,), {"attention_mask": additive}).tolist() == pad.tolist()
+    # a mapping by layer type (Gemma 3's {full, sliding}): a query that sees a key in either layer kind is a token
+    sliding = keep & torch.ones(4, 4, dtype=torch.bool).triu(-1)
+    both = _mask(Model(), (ids,), {"attention_mask": {"full_attention": keep, "sliding_attention": sliding}})
+    assert both.tolist() == pad.tolist()
+    # every query sees some key (pads that see the real tokens, HF eager's expanded 2-D mask): no padding stated
+    assert bool(_mask(Model(), (ids,), {"attention_mask": pad[:, None, None, :].expand(2, 1, 4, 4)}).all())

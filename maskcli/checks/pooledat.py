@@ -9,7 +9,9 @@ index counts the other padding side (fastembed#680, Echo#24: `attention_mask.sum
 taken as the last position of a left-padded batch; the reverse, `[:, -1]` of a right-padded batch; `[:, 0]` of a
 left-padded one). Also a reward or value head over the output read per row (torchrl#3887's end scores at the last
 column of a right-padded batch), and a model handed no attention_mask whose ids and pad id state its padding (RecBole
-963ea0f1: BERT4Rec's predict gathered at `item_seq_len`, one past the row's last item). Quiet where every pooled
+963ea0f1: BERT4Rec's predict gathered at `item_seq_len`, one past the row's last item), and a model handed a 4-D mask
+of its own, whose rows' tokens are the queries that see some key (OpenTau#524: a value head read at `[:, -1]`, a
+right-padded prompt's pad slot, whose query row sees nothing). Quiet where every pooled
 position is a real token of its row (either fix), on rows with no real token, and where the output is read more widely
 (a slice, a mean over the mask).
 """
@@ -54,6 +56,8 @@ def padding_pooled(run: Run) -> list:
                      if side == "left" and p == len(tokens) - 1 and p > 0 else
                      "the last column, read as if the row were unpadded (its end looked for by a pad id its batch does "
                      "not pad with?)" if side == "right" and p == real.shape[1] - 1 else
+                     "a fixed offset from the end, landing on padding between the row's segments (a block padded "
+                     "inside the row)?" if tokens[0] < p < tokens[-1] else
                      "a first-token (CLS) position taken as if the batch were padded on the right?" if p < tokens[0]
                      else "a last-token index counting the other padding side?")
             said = read.get("source") or "the attention_mask it was called with"
@@ -63,7 +67,7 @@ def padding_pooled(run: Run) -> list:
                 f"tokens: {spans(tokens)}, padded on the {side}): the row's "
                 f"{'score is a pad token' if logits else 'embedding is a pad token'}'s — {guess}"),
                 expected=f"row {r} pooled at one of its tokens {spans(tokens)}",
-                source=f"{'ids' if read.get('source') else 'attention_mask'} of {where}", cell=(r, p, p))))
+                source=f"{read.get('said') or ('ids' if read.get('source') else 'attention_mask')} of {where}", cell=(r, p, p))))
             break
     return found
 

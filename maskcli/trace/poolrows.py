@@ -62,10 +62,10 @@ class PoolRows:
                 mask = _mask(module, args, kwargs)
                 if not _padded(mask) or tuple(mask.shape) != tuple(hidden.shape[:2]):
                     return False
-                source = getattr(mask, "stated_by", None)
+                source, said = getattr(mask, "stated_by", None), getattr(mask, "said", None)
                 mask = mask.detach().cpu().numpy() != 0
             record = {"mask": mask, "reads": [], "what": what, "module": type(module).__name__ if end is None else None,
-                      "source": source}
+                      "source": source, "said": said}
             if end is None:
                 self.inner.setdefault(first, []).append(record)
             else:
@@ -164,7 +164,7 @@ class PoolRows:
             records = [*self.inner.get(getattr(top, "first", None), ()),
                        self.records.get((getattr(top, "first", None), getattr(top, "end", None)))]
             pooled = [{**read, "mask": record["mask"], "what": record["what"], "module": record["module"],
-                       "source": record.get("source")}
+                       "source": record.get("source"), "said": record.get("said")}
                       for record in records if record is not None for read in record["reads"]]
             if pooled and hasattr(top, "pooled"):
                 top.pooled = pooled
@@ -234,7 +234,29 @@ def _mask(module, args: tuple, kwargs: dict):
                 if pad is not None and pad != stated.get("eos_id"):
                     mask = ids != pad
                     mask.stated_by = f"its ids `{name}` padded with the pad id {pad} the model states"
+    if isinstance(mask, dict) or type(mask) is torch.Tensor and mask.dim() == 4:
+        return _rows_seeing(mask)
     return mask
+
+
+def _rows_seeing(mask):
+    """A (B, H, Lq, Lk) mask the call was handed itself (or a mapping of them by layer type: Gemma 3's {full,
+    sliding}) states its rows' tokens as the queries that see some key in it: (B, Lq), where some query sees none
+    (OpenTau#524: a pad slot's query row, pad x pad, is all False). None where it is no such mask, or too large to read
+    at every outermost call (a long sequence's)."""
+    masks = [m for m in mask.values()] if isinstance(mask, dict) else [mask]
+    if not masks or any(type(m) is not torch.Tensor or m.dim() != 4 or m.shape != masks[0].shape for m in masks):
+        return None
+    if masks[0].shape[0] * masks[0].shape[2] > MOST or masks[0].numel() > MOST * 256:
+        return None
+    seeing = None
+    for m in masks:
+        kept = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2 if m.is_floating_point() else m != 0
+        rows = kept.any(dim=3).any(dim=1)
+        seeing = rows if seeing is None else seeing | rows
+    seeing.stated_by = "the 4-D attention_mask it was called with (where a query row sees no key)"
+    seeing.said = "attention_mask"
+    return seeing
 
 
 def _padded(mask) -> bool:
