@@ -182,6 +182,15 @@ def test_a_padded_gpt_whose_loss_is_shifted_inside_the_batch_is_found(tmp_path):
     assert f"{len(counted)} such queries" in found[0]["message"]
 
 
+def test_a_model_whose_first_argument_is_its_ids_by_another_name_and_one_head_sees_the_next_note_is_found(tmp_path):
+    # `forward(self, notes, targets)`: the ids are named as no transformers model names them; the targets the loss
+    # inside the forward takes are those ids shifted by one. One head of four sees every later note: a query sees its
+    # target in some head, so it is said (the cells are those of any head)
+    found = check_bug(tmp_path, "music_lm_first_argument_one_head_sees_next_note", "sees-its-target", folder=TOKENS)
+    assert tuple(found[0]["cell"]) == first((3, 10, 10), lambda b, q, k: k == q + 1)
+    assert "the `notes` of NoteLM shifted by one; 27 such queries" in found[0]["message"]
+
+
 def test_a_padding_mask_that_replaced_an_mlx_ports_causal_mask_under_a_next_token_loss_is_found(tmp_path):
     # unslothai/unsloth-zoo#963 (bug A): mlx-vlm's `__call__(inputs, mask=...)` takes a supplied padding mask as the
     # whole mask; the modules define `__call__`, not `forward` (trace reads their calls all the same)

@@ -4,7 +4,7 @@ A reader that records no call (it returns None): at each `F.cross_entropy` / `F.
 while traced, its integer targets are compared with the input ids of the last few model calls (trace/tops.py:
 `input_ids`, `idx`, `tokens`, `src`), along either axis (batch-first, or the sequence first as nn.Transformer's
 tutorials lay it out), flattened or not, the last position left out or not (transformers shifts inside its
-loss). Where every target not ignored (-100 or the loss's `ignore_index`) is the next position's id, and not the
+loss); where none of those names holds them, against a hand-written model's first argument of 2-D integer ids. Where every target not ignored (-100 or the loss's `ignore_index`) is the next position's id, and not the
 position's own (a copy task), the model call is a next-token predictor: query q must not see key q + 1, which
 is its answer (checks/tokens.py). The model call's arguments get `next_token` = (the sequence axis, bool ids-shaped:
 the positions whose next token is a target).
@@ -78,7 +78,12 @@ def _of_ids(target: np.ndarray, arguments: dict, ignore: int) -> tuple[int, np.n
     """_shifted against the model call's ids: those kept by name, else each field of a compound-word model's (B, L, F)
     ids (trace/fieldids.py: a field's head trained on the next position's field)."""
     ids = next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray)), None)
-    fields = arguments.get("field_ids")
+    fields, first = arguments.get("field_ids"), arguments.get("first_ids")
+    if ids is None and isinstance(first, tuple):  # (a hand-written `forward(self, x, targets)`: its first argument's ids)
+        found = _shifted(target, first[1], ignore)
+        if found is not None:
+            arguments["next_token_by"] = first[0]
+            return found
     if ids is not None:
         found = _shifted(target, ids, ignore) if ids.ndim == 2 else None
     elif isinstance(fields, tuple) and target.ndim == 2 and target.shape[0] == fields[1].shape[0]:
