@@ -35,6 +35,14 @@ def test_an_entity_mask_a_flash_path_never_passes_is_found(tmp_path):
     assert k <= q  # what the kernel (causal) sees there and the entity mask masks: a cell below the diagonal
 
 
+def test_an_additive_4d_mask_read_as_a_keep_mask_by_a_dit_is_found(tmp_path):
+    # nishide-dev/unturtle#56 (written blind, blind-hu, round 54; caught before tuning): MDLM-DiT's
+    # _normalize_attention_mask took a 4-D additive float mask (0 keep, the float minimum masked) for a bool keep-mask:
+    # its SDPA sees the very cells the program's mask masks
+    [hit, *_] = check_bug(tmp_path, "unturtle_mdlm_dit_additive_4d_mask_read_as_keep_mask", "mask-argument-dropped")
+    assert "the mask was inverted on its way to the kernel" in hit["message"]
+
+
 def test_fairseq_encoder_layer_that_never_passes_its_context_mask_is_found(tmp_path):
     """fairseq#1339/#1682 (written blind): TransformerEncoderLayer converts attn_mask to -1e8 and calls self_attn
     without it. Its fix passes it: quiet, though a padding query whose window holds only padding keys is left with

@@ -46,6 +46,14 @@ def test_s3tokenizer_frame_mask_subsampled_at_the_batch_parity(tmp_path):
     assert f"make {frames[1]} frames of them" in hit["message"] and "loses a real frame as a key" in hit["message"]
 
 
+def test_s3tokenizer_v2_frame_mask_sliced_twice_by_the_padded_width(tmp_path):
+    """xingchensong/S3Tokenizer#26 (written blind, blind-hv, round 54; caught before tuning): AudioEncoderV2 slices
+    its mel-rate mask every other column twice, from an offset set by the padded width's parity, for two stride-2
+    convolutions; row 1's 30 real samples make 8 frames, the twice-sliced mask keeps fewer."""
+    [hit] = check_bug(tmp_path, "s3tokenizer_v2_25hz_encoder_mask_sliced_by_padded_width_parity", "made-frames-hidden")
+    assert "batch row 1 has 30 real samples of 40" in hit["message"] and "make 8 frames of them" in hit["message"]
+
+
 def test_conformer_frame_lengths_floored_by_the_subsampling_factor(tmp_path):
     """Written another way: NeMo/icefall-style `feat_lens // 4` under two Conv1d(k3/s2/p1) (ceil(n / 2) frames each),
     the config a dict, features batch-first, three rows, nn.MultiheadAttention's key_padding_mask: rows of 50 and 37

@@ -30,6 +30,14 @@ def test_xtuner_default_collate_fn_mask_rows_by_length_is_flagged_and_its_fix_is
     check_bug(tmp_path, "xtuner_default_collate_fn_attention_mask_rows_by_length", "pad-ids-unmasked")
 
 
+def test_openrlhf_vllm_samples_mask_built_from_already_padded_ids_is_flagged_and_its_fix_is_not(tmp_path):
+    # OpenRLHF f2f3016e (written blind, blind-hx, round 54; caught before tuning): `_generate_vllm` right-pads
+    # input_ids and then builds `[1] * len(input_ids) + [0] * ...` from the padded list: an all-ones mask over pads
+    pytest.importorskip("transformers")
+    [hit, *_] = check_bug(tmp_path, "openrlhf_vllm_samples_attention_mask_from_padded_input_ids", "pad-ids-unmasked")
+    assert "input_ids ends in a run of id 0, found nowhere else, in 3 of 4 rows" in hit["message"]
+
+
 def test_a_numpy_collator_that_fills_the_mask_by_columns_is_flagged_at_a_padded_cell(tmp_path):
     """Written otherwise: a numpy collator (`mask[:, :len(sample)] = 1`), four rows right-padded with id 0, GPT-2
     (no pad id stated) handed the batch as a dict. Against a double loop: the cell named is one a causal mask lets a

@@ -29,6 +29,11 @@ BUGS = [
 ]
 PORTS = [  # hand-written ports: the family read off the config class's name (no transformers, no model_type)
     ("gemma3_image_tokens_attend_future_images", "span-leak"),  # huggingface/transformers#38053, written blind
+    # huggingface/transformers#38295 (written blind, blind-hw, round 54): transformers 4.53's Gemma 3 took two image
+    # tokens as one image where `abs(kv_idx - q_idx) <= tokens_per_image`, so an image saw a neighbouring later one;
+    # a port with a config class of its own (Cfg): the family read off its model class, Gemma3Model (before tuning its
+    # fix raised decoder-mask-not-causal, its image blocks unread)
+    ("transformers_gemma3_image_block_by_token_distance", "span-leak"),
 ]
 
 
@@ -50,6 +55,19 @@ def test_paligemma_port_suffix_sees_ahead(tmp_path):
     assert tuple(hit["cell"]) == first((2, 7, 7), lambda b, q, k: k > q and types[b][q] == 1 and types[b][k] == 1)
     status, found, report = traced(tmp_path, "paligemma_port_suffix_sees_ahead", True, folder)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_a_paligemma_port_named_by_its_model_class_whose_prefix_runs_causal(tmp_path):
+    """Written another way (round 54's Gemma 3 port): a SimpleNamespace config, so only the model class,
+    PaliGemmaForConditionalGeneration, names the family; the prefix (token type 0) runs causal. The first cell is a
+    double loop's over later keys of the query's own prefix among its row's real tokens."""
+    from checkbugs import first
+
+    folder = Path(__file__).parent / "data" / "held"
+    [hit] = check_bug(tmp_path, "paligemma_namespace_config_prefix_run_causal", "span-not-bidirectional", folder)
+    prefix = [5, 4]
+    assert tuple(hit["cell"]) == first((2, 8, 8), lambda b, q, k: q < k < prefix[b])
+    assert "token_type_ids say causal | blocks(0,0,0,0,0,-1,-1,-1)" in hit["message"]
 
 
 @pytest.mark.parametrize("name, code", BUGS)

@@ -81,8 +81,17 @@ CONFIG_CLASSES = {"Gemma3Config": "gemma3", "Gemma4Config": "gemma4", "PaliGemma
 # (a port's own config class named as transformers names the family's: its model_type, as CONFIG_MAPPING_NAMES maps it)
 
 
-def _model_type(config) -> str | None:
-    return getattr(config, "model_type", None) or CONFIG_CLASSES.get(type(config).__name__)
+def _model_type(config, top=None) -> str | None:
+    """The family's model_type: its config's, its config class's name as transformers names it, else (a port whose config
+    is a class of its own) the model call's class named as transformers names the family's (Gemma3Model, PaliGemma...)."""
+    found = getattr(config, "model_type", None) or CONFIG_CLASSES.get(type(config).__name__)
+    named = None if top is None else top.arguments.get("module_class")
+    if found is None and isinstance(named, str):
+        found = next((kind for prefix, kind in MODEL_CLASSES if named.startswith(prefix)), None)
+    return found
+
+
+MODEL_CLASSES = (("PaliGemma", "paligemma"), ("Gemma3", "gemma3"), ("Gemma4", "gemma4"), ("Molmo2", "molmo2"))
 
 
 PREFIX = ("prefix_len", "prefix_lens", "prefix_length", "num_prefix_tokens")  # a prefix-LM's bidirectional prefix
@@ -133,7 +142,7 @@ def _family(top, rows: int = 0, length: int = 0) -> tuple[Family, np.ndarray] | 
     """The family and its block ids (B, L) for this model call, where it is one of FAMILIES and was given its argument,
     else where it states its spans by another argument (_stated)."""
     config = None if top is None else top.config
-    family = FAMILIES.get(_model_type(config))
+    family = FAMILIES.get(_model_type(config, top))
     if family is None:
         return None if top is None or not length else _stated(top, rows, length)
     if not family.on(text_part(config)):
@@ -225,7 +234,7 @@ def _by_image_id(run: Run, call, top) -> tuple[Family, np.ndarray] | None:
 
 def _spanned(run: Run):
     """(call, its model call, family, block ids, query positions) for each call whose later keys the token types judge."""
-    if not any(_model_type(top.config) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
+    if not any(_model_type(top.config, top) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
                or _image_ids_stated(top) or _images_causal(top) or eoiprefix.stated(top) for top in run.tops):
         return  # no model call of the run gives spans (most runs stop here)
     shown = _shown_both_ways(run)

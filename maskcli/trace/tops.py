@@ -140,8 +140,10 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(float_mask(given, found))  # (a 0/1 float attention_mask, kept apart: checks/runalone.py)
     found.update({**_images(given), **zero_units(given)})  # (and an image input's tiles that are 0: checks/tiles.py)
     found.update({**target_mapping(given), **shifted_labels(given)})  # (XLNet's query stream; the labels a loss shifts)
-    if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
-        found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
+    if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw",
+                                                                  "token_type_ids", "mm_token_type_ids")):
+        found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py;
+        # a port's model class named as transformers names its family's, whose token types place images: spans.py)
     found.update(padded_input(given))
     found.update(sample_fields(given))  # (a batch of features, one value per sample among them: checks/batchaxis.py)
     found.update(input_mask(given))  # (a mask named for an input beside it: checks/plainpad.py)
