@@ -87,3 +87,45 @@ def test_keys_of_a_dtype_numpy_lacks_are_matched_by_their_bytes():
         assert got is not None and (got["row"], got["taken"], got["marked"]) == (1, [0, 1, 2, 3], [2, 3, 4, 5]), dtype
         attn_mask = attn_mask.flip(-1)  # (right padding: the prefix is the kept keys; this frame holds that mask now)
         assert _noted(key, attn_mask, [0, 1, 2, 3], 1) is None, dtype
+
+
+def _merged(lengths: list[int], causal: bool = True) -> tuple[int, int, int, int]:
+    """(first query, first key, their row and the count) of the cells where a query of one row sees a key of another
+    when the rows' tokens are packed one after another into one (causal) attention: a double loop over the packed
+    positions (the reference)."""
+    rows = [b for b, n in enumerate(lengths) for _ in range(n)]
+    cells = [(i, j) for i in range(len(rows)) for j in range(len(rows)) if rows[i] != rows[j] and (j <= i or not causal)]
+    return cells[0][0], cells[0][1], rows[cells[0][0]], len(cells)
+
+
+def test_cehrgpt_left_padded_batch_taken_for_a_sample_pack_merges_two_patients(tmp_path):
+    """knatarajan-lab/cehrgpt d834e07 (written blind, blind-ht, round 53; missed before): `is_sample_pack` reads a
+    left-padded batch as packed, so `_get_unpad_data` cuts the flattened mask at its zeros and one varlen segment holds
+    both rows' tokens; the flash stand-in runs bf16 keys cast back to float32 (matched through that cast). Its fix
+    flips a left-padded mask first: a segment per row, quiet."""
+    [hit] = check_bug(tmp_path, "cehrgpt_flash_left_padded_batch_taken_for_sample_pack", "keys-of-another-row")
+    query, key, row, count = _merged([7, 10])
+    assert hit["cell"][1:] == [query, key] and f"{count} such cells" in hit["message"]
+    assert f"its query {query} (batch row {row}, position 0)" in hit["message"]
+    assert "attention_mask of forward() holds those rows apart" in hit["message"]
+
+
+def test_varlen_segments_from_the_total_token_count_merge_right_padded_rows(tmp_path):
+    """Written another way: a right-padded batch unpadded by index_select, cu_seqlens `[0, mask.sum()]` (one segment),
+    the stand-in's SDPA is_causal=True over (H, n, D); its fix, a segment per row, is checked against each row alone."""
+    [hit] = check_bug(tmp_path, "right_padded_varlen_cu_seqlens_from_total_merges_rows", "keys-of-another-row", GATHERED)
+    query, key, _, count = _merged([5, 3])
+    assert hit["cell"][1:] == [query, key] and f"{count} such cells" in hit["message"]
+
+
+def test_keys_of_several_rows_under_a_mask_that_keeps_them_apart_are_not_said():
+    """A block-diagonal mask over the packed rows (each query its own row's keys) says nothing; an open one does."""
+    keys = torch.randn(2, 3, 2, 4)  # (B, L, H, D) padded
+    attention_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])  # noqa: F841 - read from this frame by gathered.note
+    packed = keys.reshape(6, 2, 4)[torch.tensor([0, 1, 3, 4, 5])].transpose(0, 1)  # (H, 5, D)
+    apart = torch.zeros(5, 5, dtype=torch.bool)
+    apart[:2, :2] = apart[2:, 2:] = True
+    for kept, said in ((apart.numpy(), False), (None, True)):
+        seen = Seen("sdpa", (1, 2, 5, 5), (2, 5, 4), (2, 5, 4), (2, 5, 4), "float32", "cpu")
+        gathered.note(seen, packed, kept)
+        assert ("gathered_rows" in seen.details) is said, seen.details

@@ -53,7 +53,29 @@ def gathered_across(run: Run) -> list:
     return found
 
 
+def gathered_rows(run: Run) -> list:
+    """Calls whose keys were gathered from several rows of a padded batch, a query of one seeing a key of another."""
+    found, done = [], set()
+    for call in [*run.calls, *run.cross, *run.unmasked]:
+        got = call.details.get("gathered_rows")
+        if not got or (got["mask"], tuple(got["rows"])) in done:
+            continue
+        done.add((got["mask"], tuple(got["rows"])))
+        (i, qb, qp), (j, kb, kp) = got["query"], got["key"]
+        rows = ", ".join(str(r) for r in got["rows"])
+        found.append((call, Finding("keys-of-another-row", (
+            f"{call.where}'s {call.api} was handed {call.shape[3]} keys packed from {got['keys']}, of batch rows {rows}, "
+            f"and its query {i} (batch row {qb}, position {qp}) sees its key {j} (batch row {kb}, position {kp}); "
+            f"{got['count']} such cells: {got['mask']} holds those rows apart, yet one attention runs over them "
+            f"together (the packed sequences' boundaries, cu_seqlens, lost: rows merged into one?)"),
+            expected="each row's keys alone", source=got["mask"], cell=(0, i, j))))
+    return found
+
+
 RULES = (
+    Rule("keys-of-another-row", "wrong", "call", "a kernel's keys packed (varlen, unpadded) from several rows of a "
+         "padded batch that the program's own mask holds apart, a query of one row seeing a key of another",
+         gathered_rows),
     Rule("keys-gathered-across-mask", "wrong", "call", "a kernel's keys packed (varlen, unpadded) from a padded key "
          "tensor at positions the program's own mask marks both ways: the gather follows the mask neither way round",
          gathered_across),

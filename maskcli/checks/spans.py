@@ -85,10 +85,8 @@ def _model_type(config, top=None) -> str | None:
     """The family's model_type: its config's, its config class's name as transformers names it, else (a port whose config
     is a class of its own) the model call's class named as transformers names the family's (Gemma3Model, PaliGemma...)."""
     found = getattr(config, "model_type", None) or CONFIG_CLASSES.get(type(config).__name__)
-    named = None if top is None else top.arguments.get("module_class")
-    if found is None and isinstance(named, str):
-        found = next((kind for prefix, kind in MODEL_CLASSES if named.startswith(prefix)), None)
-    return found
+    named = None if top is None or found is not None else top.arguments.get("module_class")
+    return next((kind for prefix, kind in MODEL_CLASSES if named.startswith(prefix)), None) if named else found
 
 
 MODEL_CLASSES = (("PaliGemma", "paligemma"), ("Gemma3", "gemma3"), ("Gemma4", "gemma4"), ("Molmo2", "molmo2"))

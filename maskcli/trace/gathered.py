@@ -7,6 +7,10 @@ frame holds beside a bool / 0-1 mask over the same (B, Lk), each of the kernel's
 the (batch row, position) it was taken from. Keys of one batch row taken at positions the mask marks both ways contradict
 the mask whichever way round it is read: such a gather follows no mask (diffusers#14115: `key[b, :mask.sum()]`, a
 prefix taken for the kept keys, packs the text padding of a [text, image] sequence and drops the last image tokens).
+Keys of several batch rows in one call (a square self-attention of one sequence, its i-th query the i-th key's token)
+of which a query of one row sees a key of another, unmasked or under the call's own mask or is_causal, merge rows the
+mask holds apart (cehrgpt d834e07: a left-padded batch taken for a sample pack, cut at the flattened mask's zeros into
+one varlen segment). Keys cast to bfloat16 or float16 on their way to the kernel (and back) are matched in that type.
 Bounded: padded tensors of at most CELLS elements, the kernel's rows hashed once per call.
 """
 
@@ -30,9 +34,10 @@ def _skip() -> tuple[str, ...]:
     return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
 
 
-def note(seen, key: torch.Tensor) -> None:
+def note(seen, key: torch.Tensor, kept: np.ndarray | None = None) -> None:
     """Set seen.details["gathered_keys"] where the kernel's keys `key` (.., H, n, D) are gathered from one padded row
-    across positions its mask marks both ways."""
+    across positions its mask marks both ways, and seen.details["gathered_rows"] where they are gathered from several
+    rows of which a query of one sees a key of another (`kept`: the (n, n) cells a masked call keeps; None: every one)."""
     if key.dim() not in (3, 4) or key.dim() == 4 and key.shape[0] != 1 or key.is_floating_point() is False:
         return
     rows = key.reshape(key.shape[-3], key.shape[-2], key.shape[-1]).transpose(0, 1)  # (n, H, D)
@@ -41,9 +46,9 @@ def note(seen, key: torch.Tensor) -> None:
     while frame is not None and searched < FRAMES:
         if not frame.f_code.co_filename.startswith(skip):
             searched += 1
-            found = _in_frame(frame, rows, n, heads, dim) if _named(frame.f_code) else None
+            found = _in_frame(frame, rows, n, heads, dim, kept) if _named(frame.f_code) else None
             if found is not None:
-                seen.details["gathered_keys"] = found
+                seen.details["gathered_rows" if "rows" in found else "gathered_keys"] = found
                 return
         frame = frame.f_back
 
@@ -61,12 +66,13 @@ def _named(code) -> bool:
 
 
 def _masks(variables: dict, n: int) -> list:
-    """(name, bool (B, Lk)) of the frame's masks over more than `n` keys: 2-D, or (B, 1, 1, Lk); bools or 0/1."""
+    """(name, bool (B, Lk)) of the frame's masks over more than `n` keys, or of several rows over at least half as many
+    (rows' tokens packed, each row holding some of them): 2-D, or (B, 1, 1, Lk); bools or 0/1."""
     found = []
     for name, value in variables.items():
         if not (issubclass(type(value), torch.Tensor) and MASKS.search(name)) or value.numel() > CELLS or value.dim() < 2 \
-                or value.shape[-1] <= n:
-            continue  # (no more keys than the kernel has: nothing was gathered; read no values)
+                or value.shape[-1] <= n and (value.shape[0] < 2 or 2 * value.shape[-1] < n):
+            continue  # (no more keys than the kernel has, one row: nothing was gathered; read no values)
         if value.dim() == 4 and value.shape[1] == value.shape[2] == 1:
             value = value[:, 0, 0]
         if value.dim() != 2 or value.shape[1] < 2:
@@ -93,7 +99,7 @@ def _padded(variables: dict, rows: int, length: int, heads: int, dim: int):
             yield name, value, value.transpose(1, 2)
 
 
-def _in_frame(frame, rows: torch.Tensor, n: int, heads: int, dim: int) -> dict | None:
+def _in_frame(frame, rows: torch.Tensor, n: int, heads: int, dim: int, kept: np.ndarray | None) -> dict | None:
     variables = frame.f_locals
     for mask_name, mask in _masks(variables, n):
         b_len, length = mask.shape
@@ -102,14 +108,18 @@ def _in_frame(frame, rows: torch.Tensor, n: int, heads: int, dim: int) -> dict |
             if at is None:
                 continue
             batch = {b for b, _ in at}
-            if len(batch) != 1:
-                continue  # (keys of several rows in one kernel call: a packing maskcli does not read here)
+            where = f"{frame.f_code.co_name}()"
+            if len(batch) != 1:  # (keys of several rows in one kernel call: self-attention, its i-th query the i-th key's
+                return _across(at, kept, n, f"{mask_name} of {where}", f"{key_name} of {where}")  # token)
+            if kept is not None:
+                return None  # (a masked call's keys of one row: the mask is the kernel's to say)
+            if length <= n:
+                continue  # (no more keys than the kernel has: a whole row's, nothing gathered)
             b = batch.pop()
             taken = sorted(p for _, p in at)
             marks = mask[b, taken]
             if marks.all() or not marks.any():
                 return None  # (one value of the mask throughout: a gather that follows it, either way round)
-            where = f"{frame.f_code.co_name}()"
             return {"mask": f"{mask_name} of {where}", "keys": f"{key_name} of {where}", "row": b,
                     "taken": taken, "marked": [int(p) for p in np.flatnonzero(mask[b])], "length": length}
     return None
@@ -118,13 +128,42 @@ def _in_frame(frame, rows: torch.Tensor, n: int, heads: int, dim: int) -> dict |
 _PLACES: dict = {}  # (id, version) of a padded key tensor -> (it, {row bytes: [flat indices]}): hashed once
 
 
+def _across(at: list, kept: np.ndarray | None, n: int, mask: str, keys: str) -> dict | None:
+    """A query of one batch row that sees a key of another, the i-th query read as the i-th key's token (a varlen
+    self-attention gathers its queries and keys by the same indices); None where every query keeps to its row."""
+    row = np.array([b for b, _ in at])
+    other = row[:, None] != row[None, :]
+    leak = other if kept is None else other & kept
+    if not leak.any():
+        return None
+    i, j = (int(x) for x in np.argwhere(leak)[0])
+    return {"mask": mask, "keys": keys, "rows": sorted({int(b) for b in row}), "query": (i, *at[i]), "key": (j, *at[j]),
+            "count": int(leak.sum())}
+
+
 def _positions(held: torch.Tensor, padded: torch.Tensor, rows: torch.Tensor) -> list | None:
     """[(b, position)] of each kernel key row in `padded` (B, Lk, H, D, a view of the frame's `held`), matched by exact
     value; None where a row is found nowhere or in more than one place (repeated rows: no provenance)."""
-    wanted = _bytes(rows.detach().reshape(rows.shape[0], -1))
-    if padded.dtype != rows.dtype:
-        return None
-    key = (id(held), None if held.is_inference() else held._version, tuple(padded.shape))
+    rows = rows.detach()
+    if padded.dtype != rows.dtype or not _places(held, padded).get(_bytes(rows[:1].reshape(1, -1))[0].tobytes()):
+        narrow = _narrowed(rows)  # (keys cast to a narrower type on their way to the kernel, and back: cehrgpt's
+        if narrow is None:  # bf16 stand-in of flash_attn, fed `.float()`)
+            return None
+        rows, held, padded = rows.to(narrow), padded.to(narrow), padded.to(narrow)
+    wanted = _bytes(rows.reshape(rows.shape[0], -1))
+    places = _places(held, padded)
+    found = []
+    for row in wanted:
+        hits = places.get(row.tobytes())
+        if hits is None or len(hits) != 1:
+            return None
+        found.append(divmod(hits[0], padded.shape[1]))
+    return found
+
+
+def _places(held: torch.Tensor, padded: torch.Tensor) -> dict:
+    """{row bytes: [flat indices]} of `padded` (B, Lk, H, D), a view of the frame's `held`: hashed once per tensor."""
+    key = (id(held), None if held.is_inference() else held._version, tuple(padded.shape), padded.dtype)
     cached = _PLACES.get(key)
     if cached is None or cached[0] is not held:
         table = _bytes(padded.detach().reshape(padded.shape[0] * padded.shape[1], -1))
@@ -134,14 +173,20 @@ def _positions(held: torch.Tensor, padded: torch.Tensor, rows: torch.Tensor) -> 
         if len(_PLACES) > 16:
             _PLACES.clear()
         cached = _PLACES[key] = (held, places)  # (the tensor held: its id stays its own)
-    places = cached[1]
-    found = []
-    for row in wanted:
-        hits = places.get(row.tobytes())
-        if hits is None or len(hits) != 1:
-            return None
-        found.append(divmod(hits[0], padded.shape[1]))
-    return found
+    return cached[1]
+
+
+def _narrowed(rows: torch.Tensor):
+    """The narrower float type (bfloat16, float16) every value of the kernel's float32 keys `rows` is exactly one of,
+    where they are not all zero; else None."""
+    if rows.dtype in (torch.bfloat16, torch.float16):
+        return rows.dtype  # (the padded keys wider than the kernel's: cast to its type)
+    if rows.dtype != torch.float32 or not bool(rows.any()):
+        return None
+    for narrow in (torch.bfloat16, torch.float16):
+        if bool((rows.to(narrow).to(rows.dtype) == rows).all()):
+            return narrow
+    return None
 
 
 def _bytes(rows: torch.Tensor) -> np.ndarray:

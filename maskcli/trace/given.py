@@ -72,7 +72,7 @@ def _skip() -> tuple[str, ...]:
     return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
 
 
-def gathered_keys(seen, key: torch.Tensor, unmasked: bool, query=None, mask=None) -> None:
+def gathered_keys(seen, key: torch.Tensor, unmasked: bool, query=None, mask=None, is_causal: bool = False) -> None:
     """At a kernel call that masks nothing (`unmasked`) with several queries: where its keys were gathered from a padded
     batch across the mask a frame holds beside it (trace/gathered.py). And at any call, where its keys are the tail
     of a longer key tensor (trace/sliced.py), a window of a cache buffer past the sink a frame states (trace/sinkslots.py),
@@ -85,11 +85,23 @@ def gathered_keys(seen, key: torch.Tensor, unmasked: bool, query=None, mask=None
     _sink(seen.details, key, _skip())
     if mask is not None:
         _rows(seen.details, mask, int(seen.shape[3]))
-    if unmasked and seen.shape[2] > 1:
-        try:
-            _gathered(seen, key)
+    if seen.shape[2] > 1 and (unmasked or seen.shape[0] == 1 and seen.shape[2] == seen.shape[3] and key.dim() == 3):
+        try:  # (a masked call only of one sequence's square self-attention over (H, n, D) keys: a varlen stand-in's)
+            _gathered(seen, key, None if unmasked else _kept(mask, is_causal, seen.shape[2]))
         except (Exception, SystemExit):  # noqa: BLE001 - a frame or tensor maskcli cannot read: the call is recorded without this
             pass
+
+
+def _kept(mask, is_causal: bool, n: int) -> np.ndarray | None:
+    """The (n, n) cells a one-sequence call keeps: its bool or additive mask (any head: one broadcast over them), its
+    is_causal; None where it is no such mask."""
+    if mask is None:
+        return np.tril(np.ones((n, n), dtype=bool)) if is_causal else None
+    if type(mask) is not torch.Tensor or tuple(mask.shape[-2:]) != (n, n) or mask.numel() != n * n:
+        return None
+    cells = mask.detach().reshape(n, n)
+    cells = cells if cells.dtype == torch.bool else cells > -1e4 if cells.is_floating_point() else cells != 0
+    return cells.cpu().numpy() & (np.tril(np.ones((n, n), dtype=bool)) if is_causal else True)
 
 
 def handed(shape: tuple, sources: tuple, crossing: bool | None = False) -> tuple[str, torch.Tensor, bool] | None:

@@ -189,7 +189,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
                "dropout_p": float(given.get("dropout_p", 0.0) or 0.0), **key_reads(q, k, v, k_shape, mask, is_causal),  # (K, V: zerokv.py, fillkv.py, slotwrites.py)
                "query_tensor": query_tensor(q) if q_len > 1 else None}  # (queries seen again: no chunk, checks/prefill.py)
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
-    gathered_keys(seen, k, mask is None and not is_causal, q, mask)  # (keys a varlen path gathered, against its mask: gathered.py)
+    gathered_keys(seen, k, mask is None and not is_causal, q, mask, is_causal)  # (keys a varlen path gathered, against its mask: gathered.py)
     details.update(regrouped(q, k, turned=False))  # (q or k viewed with heads before positions: trace/regrouped.py)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)

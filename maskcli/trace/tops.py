@@ -140,10 +140,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(float_mask(given, found))  # (a 0/1 float attention_mask, kept apart: checks/runalone.py)
     found.update({**_images(given), **zero_units(given)})  # (and an image input's tiles that are 0: checks/tiles.py)
     found.update({**target_mapping(given), **shifted_labels(given)})  # (XLNet's query stream; the labels a loss shifts)
-    if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw",
-                                                                  "token_type_ids", "mm_token_type_ids")):
-        found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py;
-        # a port's model class named as transformers names its family's, whose token types place images: spans.py)
+    if any(name in found for name in CLASSED):  # (the tower's family, how it attends a video: checks/items.py; a port's
+        found["module_class"] = type(module).__name__  # class named as its family's, whose token types say: spans.py)
     found.update(padded_input(given))
     found.update(sample_fields(given))  # (a batch of features, one value per sample among them: checks/batchaxis.py)
     found.update(input_mask(given))  # (a mask named for an input beside it: checks/plainpad.py)
@@ -216,15 +214,15 @@ def _decoder_segments(given: dict) -> dict:
 
 
 def _int64(value: torch.Tensor) -> np.ndarray:
-    """An integer or bool tensor's cells as an int64 array of their own (a copy: the program may change the tensor
-    later). On the CPU one numpy view and one copy, where detach, cpu, numpy and astype are four calls, each of which
-    costs tens of microseconds in a traced step whose caches the model's own work left cold."""
+    """An integer or bool tensor's cells as an int64 array of their own (a copy: the program may change it later). On
+    the CPU one view and one copy: detach, cpu, numpy and astype are four calls of tens of microseconds each, cold."""
     if value.is_cpu and type(value) is torch.Tensor and not value.requires_grad:
         return np.array(value.numpy(), dtype=np.int64)
     return value.detach().cpu().numpy().astype(np.int64)
 
 
 IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
+CLASSED = ("image_shapes", "grid_thw", "image_grid_thw", "video_grid_thw", "token_type_ids", "mm_token_type_ids")
 
 
 def _first_ids(signature, given: dict, found: dict) -> dict:
