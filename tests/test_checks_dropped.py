@@ -43,6 +43,23 @@ def test_an_additive_4d_mask_read_as_a_keep_mask_by_a_dit_is_found(tmp_path):
     assert "the mask was inverted on its way to the kernel" in hit["message"]
 
 
+def test_opennmt_flash2_branch_that_drops_the_source_padding_mask_is_found(tmp_path):
+    # OpenNMT/OpenNMT-py#2484 (written blind, blind-ia, round 55; caught before tuning, its fix then a false alarm): the
+    # flash2 branch called `flash_attn_func(..., causal=False)` for encoder self-attention and context attention, no
+    # mask; its fix hands SDPA `~mask` there and keeps the decoder's self-attention is_causal beside its padded
+    # dec_mask, whose padding queries alone see what dec_mask masks (quiet now: their outputs are never read)
+    [hit, *_] = check_bug(tmp_path, "opennmt_py_flash2_context_attention_drops_src_pad_mask", "mask-argument-dropped")
+    assert "the mask was dropped on its way to the kernel" in hit["message"]
+
+
+def test_a_decoder_run_is_causal_beside_its_padded_square_mask_is_quiet(tmp_path):
+    """Written another way (OpenNMT#2464's fix): dec_mask = padding | future, (B, 1, T, T), and SDPA is_causal=True
+    over a right-padded batch. A real query sees exactly its dec_mask row; only a padding query (its own key masked in
+    every row of its batch row) sees cells dec_mask masks, and those are not judged."""
+    status, found, report = traced(tmp_path, "decoder_is_causal_beside_padded_square_mask_correct", False, DROPPED)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
 def test_fairseq_encoder_layer_that_never_passes_its_context_mask_is_found(tmp_path):
     """fairseq#1339/#1682 (written blind): TransformerEncoderLayer converts attn_mask to -1e8 and calls self_attn
     without it. Its fix passes it: quiet, though a padding query whose window holds only padding keys is left with
@@ -397,8 +414,10 @@ def test_octo_pytorch_encoder_block_takes_the_first_samples_mask_for_the_batch(t
         return group[k] <= group[q] and (not readout[k] or readout[q])
 
     handed = lambda b, q, k: rule(q, k) and real[b][k]  # noqa: E731
+    # (a padding query, whose own key no query of its row keeps, is not judged: where it looks is the pad's business)
     assert tuple(hit["cell"]) == first((3, 9, 9), lambda b, q, k: handed(0, q, k) and not handed(b, q, k)
-                                       and any(handed(b, q, j) for j in range(9)))
+                                       and any(handed(b, q, j) for j in range(9))
+                                       and any(handed(b, i, q) for i in range(9)))
 
 
 def test_a_gpt_block_that_takes_the_first_rows_additive_mask_is_found(tmp_path):

@@ -337,8 +337,9 @@ def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_l
     """dropped()'s answer for a bool mask (B|1, H|1, Lq|1, Lk), whose polarity its frame does not say: read as True =
     keep and as True = masked, a cell lost where the kernel sees it on a row the reading leaves some key; said only
     where both readings lose cells (the kernel keeps to neither), the reading that loses fewer. A key mask's padding
-    queries (their own key, placed bottom-right, masked) are not counted: where padding queries look is the pad's
-    business (a causal kernel over right padding sees no padding key from a real query)."""
+    queries (their own key, placed bottom-right, masked) are not counted, nor a square mask's (their own key seen by
+    no query of the row): where padding queries look is the pad's business (a causal kernel over right padding sees no
+    padding key from a real query: OpenNMT#2464's fix runs its decoder is_causal beside a padded dec_mask)."""
     try:
         planes = np.broadcast_shapes(mask.shape, kernel.shape)
     except ValueError:
@@ -356,6 +357,8 @@ def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_l
             own = keep[:, :, 0, k_len - q_len:] if mask.shape[2] == 1 else keep[:, :, at, k_len - q_len + at]
         if own is not None and mask.shape[2] == 1:
             counted = counted & own[..., None]  # (a key mask's padding queries: not judged)
+        elif own is not None and q_len == k_len:  # (a square mask's padding queries: those whose own key no query of
+            counted = counted & keep.any(axis=2)[..., None]  # the row sees, OpenNMT's dec_mask over target padding)
         lost = seen & ~given & counted
         if not lost.any():
             return None  # (the kernel keeps to this reading)
