@@ -149,9 +149,9 @@ def _positions(held: torch.Tensor, padded: torch.Tensor, rows: torch.Tensor) -> 
         narrow = _narrowed(rows)  # (keys cast to a narrower type on their way to the kernel, and back: cehrgpt's
         if narrow is None:  # bf16 stand-in of flash_attn, fed `.float()`)
             return None
-        rows, held, padded = rows.to(narrow), padded.to(narrow), padded.to(narrow)
+        rows = rows.to(narrow)
     wanted = _bytes(rows.reshape(rows.shape[0], -1))
-    places = _places(held, padded)
+    places = _places(held, padded, rows.dtype)
     found = []
     for row in wanted:
         hits = places.get(row.tobytes())
@@ -161,12 +161,14 @@ def _positions(held: torch.Tensor, padded: torch.Tensor, rows: torch.Tensor) -> 
     return found
 
 
-def _places(held: torch.Tensor, padded: torch.Tensor) -> dict:
-    """{row bytes: [flat indices]} of `padded` (B, Lk, H, D), a view of the frame's `held`: hashed once per tensor."""
-    key = (id(held), None if held.is_inference() else held._version, tuple(padded.shape), padded.dtype)
+def _places(held: torch.Tensor, padded: torch.Tensor, as_type=None) -> dict:
+    """{row bytes: [flat indices]} of `padded` (B, Lk, H, D), a view of the frame's `held`, read as `as_type` (its own
+    type by default): hashed once per tensor and type."""
+    as_type = padded.dtype if as_type is None else as_type
+    key = (id(held), None if held.is_inference() else held._version, tuple(padded.shape), as_type)
     cached = _PLACES.get(key)
     if cached is None or cached[0] is not held:
-        table = _bytes(padded.detach().reshape(padded.shape[0] * padded.shape[1], -1))
+        table = _bytes(padded.detach().to(as_type).reshape(padded.shape[0] * padded.shape[1], -1))
         places: dict = {}
         for index, row in enumerate(table):
             places.setdefault(row.tobytes(), []).append(index)
