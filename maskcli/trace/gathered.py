@@ -110,7 +110,7 @@ def _in_frame(frame, rows: torch.Tensor, n: int, heads: int, dim: int, kept: np.
             batch = {b for b, _ in at}
             where = f"{frame.f_code.co_name}()"
             if len(batch) != 1:  # (keys of several rows in one kernel call: self-attention, its i-th query the i-th key's
-                return _across(at, kept, n, f"{mask_name} of {where}", f"{key_name} of {where}")  # token)
+                return _across(at, kept, f"{mask_name} of {where}", f"{key_name} of {where}")  # token)
             if kept is not None:
                 return None  # (a masked call's keys of one row: the mask is the kernel's to say)
             if length <= n:
@@ -128,7 +128,7 @@ def _in_frame(frame, rows: torch.Tensor, n: int, heads: int, dim: int, kept: np.
 _PLACES: dict = {}  # (id, version) of a padded key tensor -> (it, {row bytes: [flat indices]}): hashed once
 
 
-def _across(at: list, kept: np.ndarray | None, n: int, mask: str, keys: str) -> dict | None:
+def _across(at: list, kept: np.ndarray | None, mask: str, keys: str) -> dict | None:
     """A query of one batch row that sees a key of another, the i-th query read as the i-th key's token (a varlen
     self-attention gathers its queries and keys by the same indices); None where every query keeps to its row."""
     row = np.array([b for b, _ in at])
