@@ -95,8 +95,12 @@ class Follow:
         recording, a thread it does not trace, dynamo compiling (mode.building), or this thread's mode is on (it hands
         the call to dispatch itself)."""
         local = self._local
-        if local.moded and (any(self._followed) and _over_ours(local.mode, True) or not self._unfollow()):
-            return True
+        if local.moded:
+            if any(self._followed):
+                _above_device(local.mode)  # (ours back over the program's DeviceContext, where it landed beneath)
+                return True
+            if not self._unfollow():
+                return True
         return not self.active or local.busy or not local.traced or building()
 
     def _follow(self) -> None:
@@ -113,7 +117,7 @@ class Follow:
         """This thread's mode off, where it is the innermost mode (not inside its own handler, nor under a mode the
         program entered since); whether it is off now."""
         local = self._local
-        if torch.overrides._get_current_function_mode() is not local.mode and not _over_ours(local.mode, False) \
+        if torch.overrides._get_current_function_mode() is not local.mode and not _above_device(local.mode) \
                 or building():
             return False
         torch._C._pop_torch_function_stack()
@@ -359,17 +363,16 @@ def _transformers(stack: list) -> bool:
 _DEFAULT = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)  # (set_default_device's, per thread: its `device_context`)
 
 
-def _over_ours(mode, kept: bool) -> bool:
-    """Where torch's default-device mode sits right over ours, ours is put back on top of it (`kept`: true always) or
-    taken out from under it, ready to pop (whether it is on top now). The program's `torch.set_default_device` keeps
-    its DeviceContext at the bottom of the stack, but ours, pushed from a patched Tensor method that the DeviceContext's
+def _above_device(mode) -> bool:
+    """Where torch's default-device mode sits right over ours, ours is put back on top of it; whether it was. The
+    program's `torch.set_default_device` keeps its DeviceContext at the bottom of the stack, but ours, pushed from a patched Tensor method that the DeviceContext's
     own __torch_function__ called (a mode is off the stack while it handles a call), lands beneath it: there it could
     not be popped as the trace ends (left on for the process's later calls), and the program's next
     set_default_device finds a mode under its own ("Found nested DeviceContext on the mode stack")."""
     depth = torch._C._len_torch_function_stack()
     if depth < 2 or torch._C._get_function_stack_at(depth - 2) is not mode or building() \
             or torch._C._get_function_stack_at(depth - 1) is not getattr(_DEFAULT, "device_context", None):
-        return kept  # (a `with torch.device(...)` pushes its own on top and pops the top as it exits: left where it is)
+        return False  # (a `with torch.device(...)` pushes its own on top and pops the top as it exits: left where it is)
     device = torch._C._pop_torch_function_stack()
     torch._C._pop_torch_function_stack()
     torch._C._push_on_torch_function_stack(device)

@@ -95,13 +95,16 @@ def gathered_keys(seen, key: torch.Tensor, unmasked: bool, query=None, mask=None
 def _kept(mask, is_causal: bool, n: int) -> np.ndarray | None:
     """The (n, n) cells a one-sequence call keeps: its bool or additive mask (any head: one broadcast over them), its
     is_causal; None where it is no such mask."""
+    from maskcli.inspect.polarity import additive_keep
+
+    causal = np.tril(np.ones((n, n), dtype=bool)) if is_causal else True
     if mask is None:
-        return np.tril(np.ones((n, n), dtype=bool)) if is_causal else None
+        return causal if is_causal else None
     if type(mask) is not torch.Tensor or tuple(mask.shape[-2:]) != (n, n) or mask.numel() != n * n:
         return None
     cells = mask.detach().reshape(n, n)
-    cells = cells if cells.dtype == torch.bool else cells > -1e4 if cells.is_floating_point() else cells != 0
-    return cells.cpu().numpy() & (np.tril(np.ones((n, n), dtype=bool)) if is_causal else True)
+    cells = cells if cells.dtype == torch.bool else additive_keep(cells) if cells.is_floating_point() else cells != 0
+    return cells.cpu().numpy() & causal
 
 
 def handed(shape: tuple, sources: tuple, crossing: bool | None = False) -> tuple[str, torch.Tensor, bool] | None:

@@ -4,8 +4,9 @@ A reader that records no call (it returns None): at each `F.cross_entropy` / `F.
 while traced, its integer targets are compared with the input ids of the last few model calls (trace/tops.py:
 `input_ids`, `idx`, `tokens`, `src`), along either axis (batch-first, or the sequence first as nn.Transformer's
 tutorials lay it out), flattened or not, the last position left out or not (transformers shifts inside its
-loss); where none of those names holds them, against a hand-written model's first argument of 2-D integer ids. Where every target not ignored (-100 or the loss's `ignore_index`) is the next position's id, and not the
-position's own (a copy task), the model call is a next-token predictor: query q must not see key q + 1, which
+loss); where none of those names holds them, against a hand-written model's first argument of 2-D integer ids. Where
+every target not ignored (-100 or the loss's `ignore_index`) is the next position's id, and not the position's own
+(a copy task), the model call is a next-token predictor: query q must not see key q + 1, which
 is its answer (checks/tokens.py). The model call's arguments get `next_token` = (the sequence axis, bool ids-shaped:
 the positions whose next token is a target).
 """
