@@ -168,6 +168,34 @@ def test_a_trace_in_process_leaves_the_recursion_limit_as_it_found_it(tmp_path):
     assert sys.getrecursionlimit() == before
 
 
+FLEX_WITH_A_GLOBAL = """\
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention, create_block_mask
+    {name} = {width}
+    def window(b, h, q, k):
+        return (q >= k) & (q - k < {name})
+    q = torch.randn(1, 1, 8, 16)
+    block = create_block_mask(window, None, None, 8, 8, device="cpu", _compile=False)
+    allowed = torch.tensor([[0 <= i - j < {width} for j in range(8)] for i in range(8)])
+    ok = torch.allclose(flex_attention(q, q, q, block_mask=block), F.scaled_dot_product_attention(q, q, q, allowed), atol=1e-5)
+    print("same" if ok else "different")
+"""
+
+
+def test_programs_traced_one_after_another_in_a_process_each_read_their_own_globals(tmp_path):
+    """flex_attention's eager path compiles the mask_mod, and dynamo imports `__main__` once per process: the second
+    program's mask_mod read its window from the first program's module (AttributeError, or the first one's value)."""
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    for n, (name, width) in enumerate((("W", 2), ("FIXED", 3), ("W", 5))):
+        write(tmp_path / f"prog{n}.py", FLEX_WITH_A_GLOBAL.format(name=name, width=width))
+        result = CliRunner().invoke(app, ["trace", str(tmp_path / f"prog{n}.py")])
+        assert (result.exit_code, result.stdout.splitlines()[0]) == (0, "same"), result.output
+
+
 def test_a_forked_child_that_returns_from_the_program_prints_no_report(tmp_path):
     write(tmp_path / "prog.py", """
         import os

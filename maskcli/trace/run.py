@@ -159,6 +159,7 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
                   if callable(value) and not name.endswith("hook")}  # the hooks: the program's excepthook runs as python's)
     try:
         try:
+            _forget_main()
             if module is not None:
                 sys.argv = [module, *args]
                 sys.path.insert(0, os.getcwd())
@@ -281,6 +282,25 @@ def _as_the_programs(show):
         return show(message, category, filename, lineno, file, line)
 
     return showwarning
+
+
+def _forget_main() -> None:
+    """Dynamo imports `__main__` once per process (functools.cache) and keeps it as `__import___main__` in the globals
+    of the frame it compiled (flex_attention's eager path compiles its mask_mod so): a second program run in this
+    process would have its mask_mod's globals read from the first one's module. Where an earlier program left that
+    alias, drop it, the cache and dynamo's compiled code, as a fresh `python` would start."""
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")
+    if convert is None:
+        return
+    held = [space for space in (getattr(module, "__dict__", None) for module in list(sys.modules.values()))
+            if isinstance(space, dict) and isinstance(space.get("__import___main__"), types.ModuleType)]
+    convert._import_module.cache_clear()
+    if held:
+        import torch._dynamo
+
+        for space in held:
+            del space["__import___main__"]
+        torch._dynamo.reset()
 
 
 def _run_script(script: str) -> None:
