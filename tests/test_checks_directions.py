@@ -10,6 +10,7 @@ import torch
 from checkbugs import check_bug, first, traced
 
 DIRECTIONS = Path(__file__).parent / "data" / "directions"
+BLIND = Path(__file__).parent / "data" / "blind"
 
 
 def test_llm2vec_batch_of_one_runs_causal(tmp_path):
@@ -38,6 +39,30 @@ def test_unpadded_fast_path_tril(tmp_path):
     assert "SelfAttention.causal" in hits[0]["source"]
     assert tuple(hits[0]["cell"]) == first((2, 4, 4), lambda b, q, k: k > q)
     status, found, report = traced(tmp_path, "encoder_unpadded_fast_path_tril", True, DIRECTIONS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_opennmt_encoder_self_attention_handed_sdpas_is_causal(tmp_path):
+    """OpenNMT-py#2464 (blind-ia, caught after tuning): every "self" attention, the encoder's (is_decoder=False)
+    included, called SDPA with `is_causal=(mask is not None)` and no mask; the decoder's alone is causal after the fix."""
+    status, found, report = traced(tmp_path, "opennmt_py_sdpa_self_path_makes_encoder_causal", False, BLIND)
+    hits = [f for f in found if f["code"] == "causal-but-said-not"]
+    assert status == 1 and [f["message"].split("'")[0] for f in hits] == [f"encoder.transformer.{i}.self_attn" for i in (0, 1)], report
+    assert hits[0]["source"] == "MultiHeadedAttention.is_decoder=False" and hits[0]["expected"] == "bidirectional"
+    assert tuple(hits[0]["cell"]) == first((32, 7, 7), lambda b, q, k: k > q)  # row 0 holds 7 real tokens
+    status, found, report = traced(tmp_path, "opennmt_py_sdpa_self_path_makes_encoder_causal", True, BLIND)
+    assert not [f for f in found if f["code"] == "causal-but-said-not"], report
+
+
+def test_an_encoder_that_hands_is_causal_where_it_has_no_padding_mask(tmp_path):
+    """Written another way: `self.causal = False`, `is_causal=attn_mask is None` and batches of equal length, so no
+    call of the site attends both ways; the fix (is_causal=self.causal) is quiet."""
+    status, found, report = traced(tmp_path, "encoder_sdpa_causal_without_padding_mask", False, DIRECTIONS)
+    hits = [f for f in found if f["code"] == "causal-but-said-not"]
+    assert status == 1 and len(hits) == 2 and all(f["severity"] == "wrong" for f in hits), report
+    assert hits[0]["source"] == "EncoderAttention.causal=False" and "is_causal=True" in hits[0]["message"]
+    assert tuple(hits[0]["cell"]) == first((3, 6, 6), lambda b, q, k: k > q)
+    status, found, report = traced(tmp_path, "encoder_sdpa_causal_without_padding_mask", True, DIRECTIONS)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 

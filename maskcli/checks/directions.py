@@ -8,6 +8,11 @@
   bidirectional mask). Left alone: a site some call of which a running module's forward was handed `is_causal=True`
   / `causal=True` (GritLM chooses the direction per call: trace/sites.py records it beside the module's False),
   later keys the model call's token types account for, one query, cross-attention.
+  Where no call of the site attends both ways, the module's word stands against a kernel the module itself hands
+  causal: `is_decoder=False` (or is_causal / causal False) and sdpa's `is_causal=True` or flash's `causal=True`, every
+  real query seeing only the keys up to itself (OpenNMT#2464: every "self" attention, the encoder's included, took
+  SDPA's `is_causal=(mask is not None)` and dropped the source padding mask). A mask the program built causal and
+  handed in is no kernel flag, and is left alone (a BERT run as an LM with a causal attention mask).
 - A decoder's self-attention over its own tokens in which a real query sees a later real key, where the program's
   own decoder class (named a decoder, in the program's files) has a causal-mask builder in its code (ESPnet's
   `subsequent_mask`, fairseq's `buffered_future_mask`, `generate_square_subsequent_mask`: trace/builders.py): the
@@ -85,6 +90,7 @@ def causal_run_unsaid(run: Run) -> list:
         read = [(call, got) for call, got in read if got is not None]
         both = next(((call, got) for call, got in read if got[0].any()), None)
         if both is None:
+            found.extend(_flagged(run, where, said, read))
             continue
         for call, (later, causal, missed) in read:
             if not causal or later.any() or not missed.any():
@@ -103,6 +109,24 @@ def causal_run_unsaid(run: Run) -> list:
                                  else "")),
                 expected="bidirectional", source=f"{said}=False", cell=first_cell(missed))))
     return found
+
+
+def _flagged(run: Run, where: str, said: str, read: list) -> list:
+    """The first call of a site whose module says it is not causal, none of whose calls attends both ways, where the
+    kernel was handed is_causal=True and every real query sees only the keys up to itself (OpenNMT#2464)."""
+    for call, (later, causal, missed) in read:
+        flag = call.details.get("is_causal") is True or "function" in call.details and call.details.get("causal") is True
+        if not flag or not causal or later.any() or not missed.any():  # (sdpa's is_causal, flash_attn_func's causal)
+            continue
+        if call.index in explained(run):
+            return []
+        mb, mq, mk = first_cell(missed)
+        return [(call, Finding("causal-but-said-not", (
+            f"{where}'s module states {said.split('.')[-1]}=False ({said}), yet its {call.api} is called "
+            f"causal (is_causal=True): its ({call.shape[0]}, {call.shape[2]}, {call.shape[3]}) pass at step {call.step} runs "
+            f"causal, every real query sees only the keys up to itself (batch row {mb}: query {mq} misses key {mk})"),
+            expected="bidirectional", source=f"{said}=False", cell=(mb, mq, mk)))]
+    return []
 
 
 def _self_by_inputs(call) -> bool:
@@ -146,9 +170,9 @@ def decoder_builder_unused(run: Run) -> list:
 
 
 RULES = (
-    Rule("causal-but-said-not", "wrong", "site", "a module that states itself not causal (is_causal=False) and attends "
-         "both ways on one call runs causal on another of the same site (a kernel's is_causal taken from a missing "
-         "mask on one batch shape)", causal_run_unsaid),
+    Rule("causal-but-said-not", "wrong", "site", "a module that states itself not causal (is_causal=False, "
+         "is_decoder=False) runs causal where another call of the same site attends both ways (a kernel's is_causal "
+         "taken from a missing mask on one batch shape), or where it hands its kernel is_causal=True", causal_run_unsaid),
     Rule("decoder-mask-not-causal", "wrong", "call", "a decoder of the program's own whose code holds a causal-mask "
          "builder (subsequent_mask, buffered_future_mask) lets a real query of its self-attention see a later real "
          "key: the causal part never reached the mask", decoder_builder_unused),

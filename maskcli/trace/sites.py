@@ -387,7 +387,8 @@ def causal_flag(stack: list) -> str | None:
     """'Class.causal' where the innermost running module's own attribute (or its class's) `is_causal` or `causal` is
     True, 'Class.causal=False' where it is False (an encoder's layer beside a decoder's, under one causal config: the
     module's own word, checks/dropped.py); else its mask type where that names a causal mask
-    ('Class.attn_mask_type=causal': trace/masktype.py); None otherwise (dict lookups: nn.Module's __getattr__ would
+    ('Class.attn_mask_type=causal': trace/masktype.py); else 'Class.is_decoder=False' where its `is_decoder` is False
+    (an encoder's attention says so: checks/directions.py); None otherwise (dict lookups: nn.Module's __getattr__ would
     raise for the usual missing one)."""
     if not stack:
         return None
@@ -396,4 +397,7 @@ def causal_flag(stack: list) -> str | None:
         value = vars(module).get(name, getattr(type(module), name, None))
         if isinstance(value, bool):
             return f"{type(module).__name__}.{name}" + ("" if value else "=False")
-    return mask_type(module)
+    said = mask_type(module)
+    if said is None and vars(module).get("is_decoder", getattr(type(module), "is_decoder", None)) is False:
+        return f"{type(module).__name__}.is_decoder=False"  # (an encoder's attention: OpenNMT's MultiHeadedAttention)
+    return said
