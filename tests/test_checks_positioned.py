@@ -385,3 +385,29 @@ def test_positions_are_laid_over_rows_folded_with_heads_or_tiled_as_the_masks_ag
     mixed = np.stack([row(0), row(1), row(1), row(0)])[:, None]  # (neither: no reading)
     monkeypatch.setattr("maskcli.checks.positioned.keep", lambda call: mixed)
     assert _folded(_call(mixed[:, 0]), positions) is None
+
+
+def test_a_diffusion_models_block_steps_over_a_dual_cache_are_quiet(tmp_path):
+    """quiet-ye (written blind): Fast-dLLM's Dream decodes a left-padded batch block by block with a dual cache: each
+    step's block of queries sees the prefix, itself and the cached suffix after it (both ways), then each prompt alone.
+    No count of keys measures a position at such a site, and a square prefill of the next prompt starts a new cache.
+    The program checks itself against each prompt decoded alone."""
+    from checkbugs import traced
+
+    folder = Path(__file__).parent / "data" / "quiet_blind"
+    status, found, report = traced(tmp_path, "quiet_fast_dllm_dream_dual_cache_left_padded_block_diffusion", False, folder)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert "MATCH\n" in report and "MISMATCH" not in report, report  # (the program's own comparison)
+
+
+def test_both_ways_reads_real_queries_only():
+    from maskcli.checks.positioned import _both_ways
+
+    causal = np.tril(np.ones((4, 4), dtype=bool))[None]
+    assert not _both_ways(causal, None)
+    full = np.ones((1, 4, 4), dtype=bool)
+    assert _both_ways(full, None)
+    # left padding: the pad query (column 0) sees every key, as transformers unmasks a fully masked row; real ones causal
+    padded = causal.copy()
+    padded[0, 0, :] = True
+    assert _both_ways(padded, None) and not _both_ways(padded, np.array([[False, True, True, True]]))

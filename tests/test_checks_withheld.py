@@ -143,3 +143,13 @@ def test_a_training_batchs_decoder_mask_beside_a_greedy_loop_over_other_tokens(t
         assert [f for f in found if f["code"] == "mask-withheld"] == [], report
     _, found, report = traced(tmp_path, "seq2seq_greedy_loop_beside_training_batch_decoder_mask", False, WITHHELD)
     assert [f for f in found if f["code"] == "mask-withheld"] == [], report
+
+
+def test_a_reference_run_of_one_row_beside_a_padded_batchs_decoder_mask_is_quiet(tmp_path):
+    """quiet-ye (written blind): UMT5's teacher-forced batch of 3 is handed decoder_attention_mask (3 x 6, row 0
+    padded at 5); each pair then runs alone, batch 1, handed none. The held mask is another batch's: a call over fewer
+    rows than the mask is no call it speaks for."""
+    folder = Path(__file__).parent / "data" / "quiet_blind"
+    status, found, report = traced(tmp_path, "quiet_umt5_per_layer_relative_bias_padded_sources_cached_greedy", False,
+                                   folder)
+    assert status == 0 and not [f for f in found if f["code"] == "mask-withheld"], report

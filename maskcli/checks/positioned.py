@@ -121,6 +121,17 @@ def _seen(call, top) -> tuple[np.ndarray, np.ndarray] | None:
     return seen, placed
 
 
+def _both_ways(seen: np.ndarray, real: np.ndarray | None) -> bool:
+    """Some real query (at its own column, the last Lq) sees a real key to the right of that column."""
+    _, q_len, k_len = seen.shape
+    own = k_len - q_len + np.arange(q_len)
+    right = np.arange(k_len)[None, :] > own[:, None]
+    later = seen & right[None]
+    if real is not None:
+        later = later & real[:, own][:, :, None]
+    return bool(later.any())
+
+
 def _real(top, batch: int, k_len: int) -> np.ndarray | None:
     """Bool (B, Lk): the tokens the model call states are real (checks/real.stated: its 0/1 masks, its ids at the pad
     id it holds, its lengths...); None where it states none."""
@@ -202,6 +213,9 @@ def _stepped(run: Run, done: set) -> list:
         seen = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
         firsts = np.broadcast_to(np.asarray(held["rows"], dtype=np.int64), (batch, 3))  # (first, last, sum) a row
         key = (call.where, held["module"], batch, q_len)
+        if q_len == k_len:  # (a square pass of the site: a sequence begun afresh, its cache rebuilt; a step of as many
+            for other in [k for k in last if k[:3] == key[:3] and k[3] != q_len]:  # queries before it was another's:
+                del last[other]  # Fast-dLLM's block steps of one prompt, then the next prompt's prefill and steps)
         before = last.get(key)
         last[key] = (seen, firsts, k_len)
         if before is None or call.where in done:
@@ -280,6 +294,9 @@ def check(run: Run) -> list:
                 if read is None:
                     continue
                 seen, placed = read
+                if _both_ways(seen, _real(top, call.shape[0], call.shape[3])):
+                    counted[where] = False  # (a site whose real queries see later keys: a diffusion model's block, its
+                    continue  # cached suffix after it; no count of keys measures a position there, Fast-dLLM's)
                 counts = seen.sum(axis=2)
                 source = name if table else f"{name} of {top.where}"
                 start = _starts(call, seen, placed, placed_at, source) if unhanded and where not in done else None

@@ -57,9 +57,12 @@ def _padding_seen(call, real: np.ndarray, padded: list, tokens: bool = False) ->
     """The call masks none of the held padding: where the mask is over the call's keys, some real query of a padded
     row sees a key it calls padding (causal order alone hides right padding: quiet there); else (frames expanded into
     tokens somewhere among the keys) each padded row's last query sees every key. True also where the call cannot be
-    read (no mask stored: every key seen). False where no padded row is one of the call's rows."""
+    read (no mask stored: every key seen). False where no padded row is one of the call's rows, and where the call
+    has fewer rows than the mask (a reference run of one row beside the padded batch's mask)."""
     if call.stored is None:
         return True
+    if call.shape[0] < real.shape[0]:
+        return False  # (a call over fewer rows than the held mask: another batch, a row run alone beside it)
     cells = keep(call)
     if cells is None:
         return False  # (too big to read: said nothing of)

@@ -109,7 +109,7 @@ def padding(frames: list | None = None) -> list[dict] | None:
             frame = frame.f_back
     found, seen = [], set()
     innermost, outer = None, []  # (the function that made the call; cells masks built above it, handed to no function)
-    for at, (frame, held) in enumerate(frames):
+    for frame, held in frames:
         innermost = innermost or frame
         top, start = frame.f_code.co_name == "<module>", len(found)
         if held and top:  # (a script's globals: those its running statement reads, tagged "top": trace/toplevel.py)
@@ -125,7 +125,7 @@ def padding(frames: list | None = None) -> list[dict] | None:
                     seen.add(id(value))
                     read = _read(name, value, code)
                     if read is not None and name in pairedids.PAIRS \
-                            and pairedids.inner_other(name, value, variables, frames[:at]):
+                            and pairedids.inner_other(name, value, variables, pairedids.between(frame)):
                         continue  # (a decoder mask of other tokens than those a function nearer the call holds)
                     if read is not None:
                         found.append(read)
@@ -148,7 +148,7 @@ def padding(frames: list | None = None) -> list[dict] | None:
                         found.append(read)
             for name, value in batches:
                 found.extend(read for read in _entries(name, value, code, seen) if not any(
-                    read["name"] == f'{name}["{key}"]' and pairedids.inner_other(key, value[key], value, frames[:at])
+                    read["name"] == f'{name}["{key}"]' and pairedids.inner_other(key, value[key], value, pairedids.between(frame))
                     for key in pairedids.PAIRS))
         if top:
             found[start:] = [dict(read, top=True) for read in found[start:]]
