@@ -390,14 +390,11 @@ def causal_flag(stack: list) -> str | None:
     ('Class.attn_mask_type=causal': trace/masktype.py); else 'Class.is_decoder=False' where its `is_decoder` is False
     (an encoder's attention says so: checks/directions.py); None otherwise (dict lookups: nn.Module's __getattr__ would
     raise for the usual missing one)."""
-    if not stack:
-        return None
-    module = stack[-1]
-    for name in ("is_causal", "causal"):
+    module = stack[-1] if stack else None
+    for name in ("is_causal", "causal") if stack else ():
         value = vars(module).get(name, getattr(type(module), name, None))
         if isinstance(value, bool):
             return f"{type(module).__name__}.{name}" + ("" if value else "=False")
-    said = mask_type(module)
-    if said is None and vars(module).get("is_decoder", getattr(type(module), "is_decoder", None)) is False:
-        return f"{type(module).__name__}.is_decoder=False"  # (an encoder's attention: OpenNMT's MultiHeadedAttention)
-    return said
+    said = mask_type(module) if stack else None
+    decoder = None if said or not stack else vars(module).get("is_decoder", getattr(type(module), "is_decoder", None))
+    return f"{type(module).__name__}.is_decoder=False" if decoder is False else said  # (OpenNMT's MultiHeadedAttention)
