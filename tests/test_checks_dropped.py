@@ -43,6 +43,16 @@ def test_an_additive_4d_mask_read_as_a_keep_mask_by_a_dit_is_found(tmp_path):
     assert "the mask was inverted on its way to the kernel" in hit["message"]
 
 
+def test_autogptq_fused_attention_prefill_that_runs_is_causal_without_the_padding_mask_is_found(tmp_path):
+    # AutoGPTQ/AutoGPTQ#483 (commit ccb6386; written blind, blind-ih, round 57; caught before tuning): the fused Llama
+    # attention's prompt pass called SDPA with attn_mask=None, is_causal=True, and LlamaModel's causal + padding mask
+    # was dropped; a left-padded batch of prompts of 9 and 4 tokens
+    [hit, *_] = check_bug(tmp_path, "autogptq_fused_llama_attn_prefill_drops_padding_mask", "mask-argument-dropped")
+    assert "attention_mask of forward()" in hit["message"]
+    pad = [[False] * 9, [True] * 5 + [False] * 4]
+    assert tuple(hit["cell"]) == first((2, 9, 9), lambda b, q, k: k <= q and pad[b][k] and not pad[b][q])
+
+
 def test_opennmt_flash2_branch_that_drops_the_source_padding_mask_is_found(tmp_path):
     # OpenNMT/OpenNMT-py#2484 (written blind, blind-ia, round 55; caught before tuning, its fix then a false alarm): the
     # flash2 branch called `flash_attn_func(..., causal=False)` for encoder self-attention and context attention, no
