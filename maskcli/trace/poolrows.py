@@ -38,6 +38,7 @@ from maskcli.trace.unseen import unseen
 
 MOST = 4096  # rows x positions of the mask kept at most
 HEADS = frozenset({"linear", "squeeze", "float", "to"})  # position by position: a head over a followed output
+NORMS = frozenset({"layer_norm", "rms_norm"})  # position by position, the output's own shape: the output still
 CELL = "[row, position]"  # how a one-cell read is said
 
 
@@ -178,7 +179,14 @@ class PoolRows:
         if held is None or held[0]() is not given:
             return
         try:
-            if getattr(func, "__name__", "") in HEADS:
+            name = getattr(func, "__name__", "")
+            if name in NORMS:  # (a final norm over the output, position by position: the same output, CLIP's
+                if type(out) is torch.Tensor and out.shape == given.shape:  # final_layer_norm before its pooling)
+                    key = id(out)
+                    self._found[key] = (weakref.ref(out, lambda _, key=key, found=self._found: found.pop(key, None)),
+                                        *held[1:])
+                return
+            if name in HEADS:
                 if type(out) is torch.Tensor and out.dim() >= 2 and out.shape[:2] == given.shape[:2] \
                         and out.is_floating_point():
                     key = id(out)
@@ -249,11 +257,17 @@ def _rows_seeing(mask):
         return None
     if masks[0].shape[0] * masks[0].shape[2] > MOST or masks[0].numel() > MOST * 256:
         return None
-    seeing = None
+    seeing, keys = None, True
     for m in masks:
         kept = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2 if m.is_floating_point() else m != 0
+        keys = keys and (kept.shape[2] == 1 or kept.shape[3] == kept.shape[2] and bool((kept == kept[:, :, :1]).all()))
         rows = kept.any(dim=3).any(dim=1)
         seeing = rows if seeing is None else seeing | rows
+    if keys and len(masks) == 1:  # (every query row alike: a key padding mask expanded, (B, 1, L, L) or (B, 1, 1, L),
+        seeing = kept[:, :, 0, :].any(dim=1)  # its rows' tokens are the keys it keeps: CLIP's text encoder's)
+        seeing.stated_by = "the 4-D attention_mask it was called with (the keys it keeps, alike in every query row)"
+        seeing.said = "attention_mask"
+        return seeing
     seeing.stated_by = "the 4-D attention_mask it was called with (where a query row sees no key)"
     seeing.said = "attention_mask"
     return seeing

@@ -1,0 +1,88 @@
+"""A causal model's output pooled before a row's end, where the same read lands on the end of other rows.
+
+Under causal attention a position's output has seen only the tokens up to it: a decoder's embedding, a CLIP text
+tower's EOS feature, is read at each row's last token (trace/poolrows.py records the position each row is read at,
+with the model call's padding). One read (one index per row) that lands on the last real token of some rows and on an
+earlier real token of others reads the others' features from a prefix: the index meant each row's end and missed it
+there (transformers#24777: CLIP pooled at `input_ids.argmax(-1)`, the EOS while it had the largest id; a token added
+for textual inversion outranks it, and the rows holding it were pooled at that token, which never sees the rest of
+the prompt). Wrong where the model call's self-attention over its tokens is causal (every real query sees exactly the
+real keys up to itself) at every call over them.
+
+Quiet where every row is read at its end (either fix), where no row is (a reader of another position: a prompt's last
+token before the response that follows it, a first-token read), on a model that attends both ways (a position there
+sees every token), and on logits or a head computed over the output (a reranker's or a reward head's own position).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, keep
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding, spans
+
+
+def pooled_before_end(run: Run) -> list:
+    """Model calls whose output one read pools at some rows' last real token and before it on other rows, causal."""
+    found = []
+    for top in run.tops:
+        for read in top.pooled or ():
+            if read.get("head") or read.get("what") == "logits":
+                continue  # (a score or a reranker's logits: their position is the program's own choice)
+            real, rows, positions = read["mask"], read["rows"], read["positions"]
+            ends = {int(r): int(np.flatnonzero(real[r])[-1]) for r in set(rows.tolist()) if real[r].any()}
+            early = [(int(r), int(p)) for r, p in zip(rows.tolist(), positions.tolist())
+                     if int(r) in ends and real[r, p] and p < ends[int(r)]]
+            at_end = [int(r) for r, p in zip(rows.tolist(), positions.tolist()) if ends.get(int(r)) == int(p)]
+            if not early or not at_end or not _causal(run.made_by(top), real):
+                continue
+            r, p = early[0]
+            tokens = np.flatnonzero(real[r])
+            e = at_end[0]
+            where = read.get("module") or top.where
+            ids = top.arguments.get("input_ids")
+            largest = isinstance(ids, np.ndarray) and ids.shape == real.shape and all(
+                int(np.argmax(ids[int(row)])) == int(at) for row, at in zip(rows.tolist(), positions.tolist()))
+            guess = ("each row read at its largest id, the EOS only while no token added later outranks it"
+                     if largest else "an index that meant each row's end")
+            others = f" (and row{'s' if len(early) > 2 else ''} {', '.join(str(b) for b, _ in early[1:])})" \
+                if len(early) > 1 else ""
+            found.append((run.made_by(top)[-1], Finding("pooled-before-end", (
+                f"batch row {r}{others} of {where}'s output is pooled at position {p} by {read['how']}, a token before "
+                f"the row's last (its tokens: {spans(tokens)}), while batch row {e} is pooled at its last token "
+                f"({ends[e]}): its attention is causal, so row {r}'s pooled feature never saw tokens "
+                f"{spans(tokens[tokens > p])} — {guess}?"),
+                expected=f"row {r} pooled at its last token {int(tokens[-1])}", source=f"attention_mask of {where}",
+                cell=(r, p, p))))
+            break
+    return found
+
+
+def _causal(calls: list, real: np.ndarray) -> bool:
+    """Some self-attention call over the (B, L) tokens (or B x H rows, the heads folded in), and every one of them causal
+    on its real queries and keys."""
+    rows, length = real.shape
+    judged = real[:, :, None] & real[:, None, :]
+    later = np.arange(length)[None, None, :] > np.arange(length)[None, :, None]
+    some = False
+    for call in calls:
+        if call.shape[0] % rows or call.shape[2] != length or call.shape[3] != length:
+            continue
+        cells = keep(call)
+        if cells is None or cells.shape[0] not in (1, call.shape[0]):
+            return False
+        if cells.shape[0] == call.shape[0] != rows:  # (heads folded into the batch, batch first: CLIP's bsz * heads)
+            cells = cells.reshape(rows, -1, length, length)
+        seen = np.broadcast_to(cells.any(axis=1), (rows, length, length))
+        if ((seen & judged) != (judged & ~later)).any():
+            return False
+        some = True
+    return some
+
+
+RULES = (
+    Rule("pooled-before-end", "wrong", "steps", "one read of a causal model's output (an index per row) lands on some "
+         "rows' last real token and before it on others: those rows' pooled features saw a prefix only (CLIP's EOS "
+         "looked up as the largest id)", pooled_before_end),
+)
