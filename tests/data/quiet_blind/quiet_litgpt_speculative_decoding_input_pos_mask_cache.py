@@ -3,7 +3,7 @@
 Ported from Lightning-AI/litgpt:
   litgpt/generate/speculative_decoding.py @ b197569536594f7ab097d9b28cdb9cc630939a41
       (sample, speculative_decoding, generate)
-  litgpt/model.py (GPT.forward: mask = batched_index_select(mask_cache, 2, input_pos)
+  litgpt/model.py @ 04205815e8849fe883825e3e858e62749c5d7f4d (GPT.forward: mask = batched_index_select(mask_cache, 2, input_pos)
       then mask[..., :input_pos_maxp1]; CausalSelfAttention.forward: KVCache.forward
       index_copy_ at input_pos, then k/v sliced to input_pos_maxp1; build_mask_cache =
       tril(ones(bool)); SDPA with attn_mask=mask, is_causal=mask is None)
