@@ -221,3 +221,12 @@ def test_a_4d_mask_states_its_rows_tokens_as_the_queries_that_see_some_key():
     assert both.tolist() == pad.tolist()
     # every query row alike (pads that see the real tokens, HF eager's expanded 2-D mask): the keys it keeps
     assert _mask(Model(), (ids,), {"attention_mask": pad[:, None, None, :].expand(2, 1, 4, 4)}).tolist() == pad.tolist()
+
+
+def test_a_librarys_own_pooler_reading_its_encoders_output_is_quiet(tmp_path):
+    """BertModel's pooler reads `[:, 0]` of its encoder's output, which the model hands the expanded 4-D key mask: on a
+    left-padded batch a pad position, but the library's read (its pooler_output unused), not the program's. Only a
+    model call of the program's own code is followed inside the outermost one on such a mask (CLIP's port is)."""
+    status, found, report = traced(tmp_path, "bert_left_padded_library_pooler_correct", False, POOLPAD)
+    assert status == 0 and not [f for f in found if f["code"] == "pooled-at-padding"], report
+    assert "matches each text alone: True" in report, report

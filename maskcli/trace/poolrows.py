@@ -97,6 +97,8 @@ class PoolRows:
         watched to its return as first_call watches one. Modules looked at once each: a set lookup per attention call.
         `current()`: the outermost call's held list running on this thread when a hooked call ends; `handles`: the
         trace's hooks, removed as it ends."""
+        from maskcli.trace.positionsat import _library  # (code no program wrote: an installed package's)
+
         self.outer = current
         for module, frame, variables in found[1:-1]:
             if id(module) in self._seen or module is held[1]:
@@ -106,8 +108,10 @@ class PoolRows:
             try:
                 with unseen():
                     mask = _mask(module, args, kwargs)
-                    if type(mask) is not torch.Tensor or mask.dim() != 2:
-                        continue
+                    if type(mask) is not torch.Tensor or mask.dim() != 2 or getattr(mask, "keys_kept", False) \
+                            and _library(getattr(getattr(type(module).forward, "__code__", None), "co_filename", "<")):
+                        continue  # (an expanded key mask a library's model hands its own encoder: its pooler's
+                        # read, BERT's `[:, 0]` of a left-padded batch, is the library's, unread by the program)
                     padded = _padded(mask)
             except (Exception, SystemExit):  # noqa: BLE001 - the program's arguments stay its own
                 continue
@@ -266,6 +270,7 @@ def _rows_seeing(mask):
     if keys and len(masks) == 1:  # (every query row alike: a key padding mask expanded, (B, 1, L, L) or (B, 1, 1, L),
         seeing = kept[:, :, 0, :].any(dim=1)  # its rows' tokens are the keys it keeps: CLIP's text encoder's)
         seeing.stated_by = "the 4-D attention_mask it was called with (the keys it keeps, alike in every query row)"
+        seeing.keys_kept = True
         seeing.said = "attention_mask"
         return seeing
     seeing.stated_by = "the 4-D attention_mask it was called with (where a query row sees no key)"
