@@ -54,6 +54,23 @@ def test_a_square_call_that_sees_later_keys_names_the_query_by_its_own_place(tmp
     assert f"query {wide[1]} of batch row 0 sees keys {wide[2]} .. 5" in " ".join(dropped[0]["message"].split())
 
 
+def test_transformer_engine_window_and_padding_masks_joined_with_and(tmp_path):
+    """NVIDIA/TransformerEngine#1281 (written blind, blind-im, round 57; caught before tuning): the unfused backend's
+    get_swa_mask joined the padding mask (True = masked) and the window's with AND, so a key was hidden only where it
+    was both padding and outside window_size = (3, 0); "padding_causal" lost its causal part. Right-padded rows of 12,
+    9 and 6 tokens: the first real query that sees more than the window's 4 keys, by a double loop over that mask."""
+    [hit, *_] = check_bug(tmp_path, "transformer_engine_unfused_swa_padding_mask_combined_with_and", "window-dropped")
+    lengths, window = [12, 9, 6], 3
+
+    def seen(b, q, k):
+        outside = not (q - window <= k <= q)
+        return not (k >= lengths[b] and outside)  # (hidden only where padding AND outside the window)
+
+    wide = first((3, 12, 12), lambda b, q, k: q < lengths[b] and seen(b, q, k)
+                 and sum(seen(b, q, j) for j in range(lengths[b])) > window + 1)
+    assert tuple(hit["cell"]) == (wide[0], wide[1], wide[1]) and "window_size = (3, 0)" in " ".join(hit["message"].split())
+
+
 @pytest.mark.parametrize("name, code", BUGS)
 def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
     check_bug(tmp_path, name, code)
