@@ -32,9 +32,9 @@ def traced(tmp_path, name: str, fixed: bool, folder: Path = BUGS, args: tuple = 
     out = tmp_path / f"{name}{'-'.join(('', *args))}{'-fixed' if fixed else ''}.json"
     command = ["trace", "--json", str(out), str(folder / f"{name}.py"), *args, *(["--fixed"] if fixed else [])]
     text = (folder / f"{name}.py").read_text()
-    if "flex_attention(" in text or PATCHES.search(text):  # (dynamo's guards on __main__ outlive a program run in
-        status, output = _apart(command)  # this process, and so do a library's classes it patches, as unsloth's
-        # `modeling_gemma2.Gemma2Model.forward = ...`: each is traced in a process of its own)
+    if "flex_attention(" in text or PATCHES.search(text):  # (dynamo's compiled code and its limits are the process's,
+        status, output = _apart(command)  # trace/run.py forgets only its `__main__`; and a library's classes a program
+        # patches, as unsloth's `modeling_gemma2.Gemma2Model.forward = ...`, stay patched: each is traced apart)
     else:
         result = runner.invoke(app, command)
         assert result.exception is None or isinstance(result.exception, SystemExit), result.output
