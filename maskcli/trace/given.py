@@ -295,26 +295,21 @@ def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, m
 
 
 def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: int, q_len: int, k_len: int) -> dict | None:
-    """dropped()'s answer for a float (additive) mask: the cells the kernel sees that it masks, on rows it leaves some key."""
+    """dropped()'s answer for a float (additive) mask: the cells the kernel sees that it masks, on rows it leaves some
+    key; or, where the kernel keeps exactly the cells the mask holds 0 at and the mask is a bias (finite values it keeps,
+    two or more of them besides 0), the cells it masks that the bias keeps: the bias read as a bool mask, nonzero masked
+    (pytorch#107084: MultiheadAttention's fast path cast an ALiBi attn_mask to bool)."""
     from maskcli.inspect.polarity import additive_keep
 
     with torch.no_grad():
         keep = additive_keep(tensor.detach()).cpu()
-    if keep.all():
+        values = tensor.detach()[keep.to(tensor.device)].unique()
+    biased = len(values[values != 0]) >= 2
+    if keep.all() and not biased:
         return None
-    lead = tuple(keep.shape[:-2])
-    if len(lead) == 1 and lead[0] == b * h and b * h > 1:  # (b * h, Lq, Lk): the heads folded into the batch
-        readings = [keep.reshape(b, h, q_len, k_len)]
-    elif len(lead) > 2 and all(n == 1 for n in lead[1:-1]):  # (B, 1, ..., H|1, Lq, Lk): MaxText's (b, 1, 1, t, s)
-        readings = [keep.reshape(lead[0], lead[-1], *keep.shape[-2:])]
-    elif len(lead) == 1 and lead[0] > 1:
-        # (N, Lq, Lk): per head as torch broadcasts it, or per batch row as a program that unsqueezes it or permutes
-        # its scores (batch first) before adding applies it; the frame does not say which, so either may be kept to
-        readings = [keep.reshape(lead[0], 1, q_len, k_len), keep.reshape(1, lead[0], q_len, k_len)]  # (a tie: said per row)
-    else:
-        readings = [keep.reshape((1,) * max(0, 4 - keep.dim()) + tuple(keep.shape[-min(keep.dim(), 4):]))]
+    zero = (tensor.detach() == 0).cpu()
     best = None
-    for reading in readings:
+    for reading, zeros in zip(_laid(keep, b, h, q_len, k_len), _laid(zero, b, h, q_len, k_len)):
         try:
             planes = np.broadcast_shapes(tuple(reading.shape), kernel.shape)
         except ValueError:
@@ -323,6 +318,10 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
             continue
         given = np.broadcast_to(reading.numpy(), planes)
         seen = np.broadcast_to(kernel, planes)
+        cast = given & ~seen
+        if biased and cast.any() and (seen == np.broadcast_to(zeros.numpy(), planes)).all():
+            return {"name": name, "cell": [int(x) for x in np.argwhere(cast)[0]], "cells": int(cast.sum()),
+                    "masked": int((~given).sum()), "cast": True, "one_row": None}
         lost = seen & ~given & given.any(axis=-1, keepdims=True)
         if not lost.any():
             return None  # (the kernel keeps to this reading of the mask's axes)
@@ -335,6 +334,21 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
         return None  # (a key padding bias read for every query: only where the kernel keeps its very inverse; a padding
         # query under a finite fill sees the padding keys it is left, GPT-2's left-padded rows, and is no dropped mask)
     return best
+
+
+def _laid(keep: torch.Tensor, b: int, h: int, q_len: int, k_len: int) -> list:
+    """The readings of a mask's axes as (B|1, H|1, Lq, Lk)."""
+    lead = tuple(keep.shape[:-2])
+    if len(lead) == 1 and lead[0] == b * h and b * h > 1:  # (b * h, Lq, Lk): the heads folded into the batch
+        return [keep.reshape(b, h, q_len, k_len)]
+    if len(lead) > 2 and all(n == 1 for n in lead[1:-1]):  # (B, 1, ..., H|1, Lq, Lk): MaxText's (b, 1, 1, t, s)
+        return [keep.reshape(lead[0], lead[-1], *keep.shape[-2:])]
+    if len(lead) == 1 and lead[0] > 1:
+        # (N, Lq, Lk): per head as torch broadcasts it, or per batch row as a program that unsqueezes it or permutes
+        # its scores (batch first) before adding applies it; the frame does not say which, so either may be kept to
+        return [keep.reshape(lead[0], 1, q_len, k_len), keep.reshape(1, lead[0], q_len, k_len)]  # (a tie: said per row)
+    return [keep.reshape((1,) * max(0, 4 - keep.dim()) + tuple(keep.shape[-min(keep.dim(), 4):]))]
+
 
 def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_len: int) -> dict | None:
     """dropped()'s answer for a bool mask (B|1, H|1, Lq|1, Lk), whose polarity its frame does not say: read as True =
