@@ -89,3 +89,21 @@ def test_quiet_on_persistent_memory_that_reads_no_token(tmp_path):
     for fixed in (False, True):
         status, found, report = traced(tmp_path, "persistent_memory_after_tokens", fixed, REACH)
         assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_a_neighbour_set_per_row_is_no_look_ahead_mask_with_columns_opened():
+    """quiet-yg's MTR (written blind, correct): each token attends its 5 nearest tokens of the scene, so query 0 sees
+    itself and keys 2-4, 6, and query 1 sees 0-1, 3-4, 8: rows that look like a look-ahead row's, but whose later keys
+    differ row by row. A look-ahead mask with padding columns opened keeps those columns open to every such row."""
+    from maskcli.checks.reach import ahead_leaks
+
+    length = 10
+    knn = np.zeros((1, length, length), dtype=bool)
+    for q, keys in enumerate([(0, 2, 3, 4, 6), (0, 1, 3, 4, 8), (1, 2, 3, 5, 7), (2, 3, 4, 5, 6), (3, 4, 5, 6, 7),
+                              (4, 5, 6, 7, 8), (5, 6, 7, 8, 9), (5, 6, 7, 8, 9), (6, 7, 8, 9, 5), (7, 8, 9, 6, 5)]):
+        knn[0, q, list(keys)] = True
+    assert not ahead_leaks(knn).any()
+    lengths = 7  # a triangle with the 3 trailing pad columns open to every row (doctr#546's mask), by a double loop
+    opened = np.array([[[k <= q or k >= lengths for k in range(length)] for q in range(length)]])
+    leaks = ahead_leaks(opened)
+    assert leaks[0, 0, 1] and not leaks[0, 0, 0]  # query 0 reads token 1 through a pad key whose row sees it

@@ -96,7 +96,10 @@ def ahead_leaks(cells: np.ndarray) -> np.ndarray | None:
     has no such row: one pass over the cells."""
     rows, length, _ = cells.shape
     ahead = _look_ahead(cells)
-    if not ahead.any():
+    beyond = band(length, length, 2, True)[None] & ahead[:, :, None]  # (rows, q, k): k past a look-ahead row's next key
+    seen, unseen = (cells & beyond).any(axis=1), (~cells & beyond).any(axis=1)  # (rows, k): by some such row, or not
+    ahead &= ~(seen & unseen).any(axis=1)[:, None]  # (a batch row whose look-ahead rows disagree on a later key is no
+    if not ahead.any():  # look-ahead mask with columns opened, padding's: a neighbour set per row, MTR's kNN of tokens)
         return np.zeros_like(cells)
     later = band(length, length, 1, True)
     opened = cells & later[None] & ahead[:, :, None]  # (rows, q, k): later keys a look-ahead row sees
