@@ -10,6 +10,7 @@ import pytest
 
 from checkbugs import check_bug, first, traced
 
+BLIND = Path(__file__).parent / "data" / "blind"
 DROPPED = Path(__file__).parent / "data" / "dropped"
 QUIET = Path(__file__).parent / "data" / "quiet"
 
@@ -51,6 +52,32 @@ def test_autogptq_fused_attention_prefill_that_runs_is_causal_without_the_paddin
     assert "attention_mask of forward()" in hit["message"]
     pad = [[False] * 9, [True] * 5 + [False] * 4]
     assert tuple(hit["cell"]) == first((2, 9, 9), lambda b, q, k: k <= q and pad[b][k] and not pad[b][q])
+
+
+def test_an_alibi_bias_the_mha_fast_path_cast_to_bool_is_found(tmp_path):
+    """pytorch#107084 (written blind, blind-io, round 58; caught after tuning): nn.MultiheadAttention's native path in
+    eval took a float ALiBi attn_mask, merged it with the key padding and cast it to bool in masked_softmax: every
+    nonzero bias cell masked, each real query left its own key alone (the diagonal, where ALiBi is 0)."""
+    status, found, report = traced(tmp_path, "pytorch_mha_fast_path_float_alibi_bias_cast_to_bool", False, BLIND)
+    [hit] = [f for f in found if f["code"] == "mask-argument-dropped"]
+    lengths = [10, 7, 4]
+    # the first cell the bias keeps (a real key) that the kernel masks (any but the diagonal), by a double loop
+    assert status == 1 and tuple(hit["cell"]) == first((3, 10, 10), lambda b, q, k: k < lengths[b] and k != q), report
+    assert "nonzero = masked" in " ".join(hit["message"].split())
+    status, found, report = traced(tmp_path, "pytorch_mha_fast_path_float_alibi_bias_cast_to_bool", True, BLIND)
+    assert not [f for f in found if f["code"] == "mask-argument-dropped"], report
+
+
+def test_an_alibi_bias_handed_to_sdpa_as_bool_is_found_and_its_fix_quiet(tmp_path):
+    """Written another way: the bias plus -inf padding handed to SDPA as `attn_bias.bool()`, which keeps every nonzero
+    cell (the padding too) and masks the zero diagonal."""
+    status, found, report = traced(tmp_path, "alibi_bias_handed_to_sdpa_as_bool", False, DROPPED)
+    [hit] = [f for f in found if f["code"] == "mask-argument-dropped"]
+    lengths = [7, 5, 3]
+    assert status == 1 and tuple(hit["cell"]) == first((3, 7, 7), lambda b, q, k: k < lengths[b] and k == q), report
+    assert "nonzero = kept" in " ".join(hit["message"].split()) and "60 cells" in " ".join(hit["message"].split())
+    status, found, report = traced(tmp_path, "alibi_bias_handed_to_sdpa_as_bool", True, DROPPED)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
 def test_opennmt_flash2_branch_that_drops_the_source_padding_mask_is_found(tmp_path):

@@ -100,8 +100,9 @@ def mask_dropped(run: Run) -> list:
             found.append((call, Finding("mask-argument-dropped", (
                 f"{call.where} was handed an additive bias ({lost['name']}: finite values it adds to the scores), but "
                 f"its {call.api} masks {lost['cells']} cells the bias keeps (batch row {b}, head {h}, query {q}, key "
-                f"{k}) and keeps exactly those where the bias is 0: the bias was read as a bool mask on its way to the "
-                f"kernel (nonzero = masked), not added"), expected=lost["name"], source=lost["name"], cell=(b, q, k))))
+                f"{k}) and keeps exactly those where the bias is {'0' if lost['cast'] == 'masked' else 'not 0'}: the bias "
+                f"was read as a bool mask on its way to the kernel (nonzero = {lost['cast']}), not added"),
+                expected=lost["name"], source=lost["name"], cell=(b, q, k))))
             continue
         found.append((call, Finding("mask-argument-dropped", (
             f"{call.where} was handed a mask ({lost['name']}, {lost['masked']} cells masked on rows it leaves some key), "

@@ -296,9 +296,9 @@ def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, m
 
 def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: int, q_len: int, k_len: int) -> dict | None:
     """dropped()'s answer for a float (additive) mask: the cells the kernel sees that it masks, on rows it leaves some
-    key; or, where the kernel keeps exactly the cells the mask holds 0 at and the mask is a bias (finite values it keeps,
-    two or more of them besides 0), the cells it masks that the bias keeps: the bias read as a bool mask, nonzero masked
-    (pytorch#107084: MultiheadAttention's fast path cast an ALiBi attn_mask to bool)."""
+    key; or, where the kernel keeps exactly the cells the mask holds 0 at (or exactly the others) and the mask is a bias
+    (finite values it keeps, two or more of them besides 0), the cells it masks that the bias keeps: the bias read as a
+    bool mask (pytorch#107084: MultiheadAttention's fast path cast an ALiBi attn_mask to bool, nonzero masked)."""
     from maskcli.inspect.polarity import additive_keep
 
     with torch.no_grad():
@@ -318,10 +318,10 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
             continue
         given = np.broadcast_to(reading.numpy(), planes)
         seen = np.broadcast_to(kernel, planes)
-        cast = given & ~seen
-        if biased and cast.any() and (seen == np.broadcast_to(zeros.numpy(), planes)).all():
+        cast, zeros = given & ~seen, np.broadcast_to(zeros.numpy(), planes)
+        if biased and cast.any() and ((seen == zeros).all() or (seen == ~zeros).all()):  # (nonzero masked, or kept)
             return {"name": name, "cell": [int(x) for x in np.argwhere(cast)[0]], "cells": int(cast.sum()),
-                    "masked": int((~given).sum()), "cast": True, "one_row": None}
+                    "masked": int((~given).sum()), "cast": "masked" if seen[zeros].all() else "kept", "one_row": None}
         lost = seen & ~given & given.any(axis=-1, keepdims=True)
         if not lost.any():
             return None  # (the kernel keeps to this reading of the mask's axes)
