@@ -381,7 +381,10 @@ _NO_CALL = {"slot_attention_softmax_over_slots_no_mask", "allennlp_bidaf_masked_
             "quiet_tacotron2_location_attention_padded_memory",
             # Point Transformer's vector attention: an MLP of q - k per gathered neighbour, a softmax over the k
             # neighbours of each channel (b, i, j, d), no product of queries and keys
-            "quiet_point_transformer_padded_point_sets_knn_vector_attention"}
+            "quiet_point_transformer_padded_point_sets_knn_vector_attention",
+            # QCNet's graph attention: torch_geometric's softmax over the edges into each node (a scatter of exp over
+            # edge lists), no query-by-key matrix of positions
+            "quiet_qcnet_agent_encoder_time_pl2a_a2a_edges"}
 # a finding that is true of a correct program: fairseq's left-padded prefix at step 0 leaves its padded queries' rows
 # NaN (a softmax of all -inf, pytorch/pytorch#41508), which nothing reads later; whether a program zeroes or reads such
 # rows no trace sees (test_checks_kernels.py keeps them suspicious), so the one finding is that, and no other
