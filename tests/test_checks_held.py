@@ -1082,3 +1082,19 @@ def test_a_sentence_run_alone_over_heads_folded_into_the_batch_beside_the_batch_
     lengths are another batch's (checks/heldfold.handed_batch), not its rows'. The padded batch keeps to them."""
     status, found, report = traced(tmp_path, "sentences_alone_heads_folded_beside_batch_lengths_quiet", False, HELD)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_installed_packages_are_no_programs_frames_in_a_venv_too():
+    """A venv's site-packages lies outside the standard library's folder (python's own install holds it inside): in a
+    venv, transformers' forward frames were read as the program's, and their attention_mask held as the program's
+    padding mask (pad-ids-unmasked on correct Marian, PEGASUS-X and LayoutLMv3 programs run in a venv)."""
+    import sysconfig
+
+    from maskcli.trace.held import _skipped, names
+
+    paths = sysconfig.get_paths()
+    assert paths["purelib"] in _skipped() and paths["platlib"] in _skipped()
+    pytest.importorskip("transformers")  # (an installed package's code, wherever the environment keeps it)
+    from transformers.models.marian import modeling_marian
+
+    assert names(modeling_marian.MarianEncoder.forward.__code__) is None

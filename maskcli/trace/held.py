@@ -54,8 +54,11 @@ _READ: dict = {}  # (id(tensor), name, code) -> (tensor, version, what it was re
 
 
 def _skipped() -> tuple[str, ...]:
+    """torch's, maskcli's, the standard library's and the installed packages' folders: a venv's site-packages lies
+    outside the standard library's (python's own install holds it inside), and a library's frames are no program's."""
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return tuple({os.path.dirname(torch.__file__), own, *(sysconfig.get_paths()[k] for k in ("stdlib",))})
+    paths = sysconfig.get_paths()
+    return tuple({os.path.dirname(torch.__file__), own, *(paths[k] for k in ("stdlib", "purelib", "platlib"))})
 
 
 _SKIP: tuple = ()
