@@ -30,25 +30,25 @@ def pooled_before_end(run: Run) -> list:
         for read in top.pooled or ():
             if read.get("head") or read.get("what") == "logits":
                 continue  # (a score or a reranker's logits: their position is the program's own choice)
-            real, rows, positions = read["mask"], read["rows"], read["positions"]
-            ends = {int(r): int(np.flatnonzero(real[r])[-1]) for r in set(rows.tolist()) if real[r].any()}
-            early = [(int(r), int(p)) for r, p in zip(rows.tolist(), positions.tolist())
-                     if int(r) in ends and real[r, p] and p < ends[int(r)]]
-            at_end = [int(r) for r, p in zip(rows.tolist(), positions.tolist()) if ends.get(int(r)) == int(p)]
-            if not early or not at_end or not _causal(run.made_by(top), real):
+            real = read["mask"]
+            pairs = list(zip(read["rows"].tolist(), read["positions"].tolist()))
+            ends = {r: int(np.flatnonzero(real[r])[-1]) for r, _ in pairs if real[r].any()}
+            early = [(r, p) for r, p in pairs if r in ends and real[r, p] and p < ends[r]]
+            at_end = [r for r, p in pairs if ends.get(r) == p]
+            calls = run.made_by(top)
+            if not early or not at_end or not _causal(calls, real):
                 continue
-            r, p = early[0]
+            (r, p), e = early[0], at_end[0]
             tokens = np.flatnonzero(real[r])
-            e = at_end[0]
             where = read.get("module") or top.where
             ids = top.arguments.get("input_ids")
             largest = isinstance(ids, np.ndarray) and ids.shape == real.shape and all(
-                int(np.argmax(ids[int(row)])) == int(at) for row, at in zip(rows.tolist(), positions.tolist()))
+                int(np.argmax(ids[row])) == at for row, at in pairs)
             guess = ("each row read at its largest id, the EOS only while no token added later outranks it"
                      if largest else "an index that meant each row's end")
             others = f" (and row{'s' if len(early) > 2 else ''} {', '.join(str(b) for b, _ in early[1:])})" \
                 if len(early) > 1 else ""
-            found.append((run.made_by(top)[-1], Finding("pooled-before-end", (
+            found.append((calls[-1], Finding("pooled-before-end", (
                 f"batch row {r}{others} of {where}'s output is pooled at position {p} by {read['how']}, a token before "
                 f"the row's last (its tokens: {spans(tokens)}), while batch row {e} is pooled at its last token "
                 f"({ends[e]}): its attention is causal, so row {r}'s pooled feature never saw tokens "

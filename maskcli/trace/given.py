@@ -302,8 +302,8 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
     from maskcli.inspect.polarity import additive_keep
 
     with torch.no_grad():
-        keep = additive_keep(tensor.detach()).cpu()
-        values = tensor.detach()[keep.to(tensor.device)].unique()
+        kept = additive_keep(tensor.detach())
+        values, keep = tensor.detach()[kept].unique(), kept.cpu()
     biased = len(values[values != 0]) >= 2
     if keep.all() and not biased:
         return None

@@ -384,17 +384,16 @@ def _shown(name: str, here: str) -> str:
 
 
 def causal_flag(stack: list) -> str | None:
-    """'Class.causal' where the innermost running module's own attribute (or its class's) `is_causal` or `causal` is
-    True, 'Class.causal=False' where it is False (an encoder's layer beside a decoder's, under one causal config: the
-    module's own word, checks/dropped.py); else its mask type where that names a causal mask
-    ('Class.attn_mask_type=causal': trace/masktype.py); else 'Class.is_decoder=False' where its `is_decoder` is False
-    (an encoder's attention says so: checks/directions.py); None otherwise (dict lookups: nn.Module's __getattr__ would
-    raise for the usual missing one)."""
-    module = stack[-1] if stack else None
-    for name in ("is_causal", "causal") if stack else ():
+    """'Class.causal' where the innermost running module's own (or its class's) `is_causal` / `causal` is True,
+    'Class.causal=False' where False (an encoder's layer beside a decoder's: checks/dropped.py); else its causal mask
+    type ('Class.attn_mask_type=causal': trace/masktype.py); else 'Class.is_decoder=False' (an encoder's attention:
+    checks/directions.py); None otherwise (dict lookups: nn.Module's __getattr__ raises for a missing one)."""
+    if not stack:
+        return None
+    module = stack[-1]
+    for name in ("is_causal", "causal"):
         value = vars(module).get(name, getattr(type(module), name, None))
         if isinstance(value, bool):
             return f"{type(module).__name__}.{name}" + ("" if value else "=False")
-    said = mask_type(module) if stack else None
-    decoder = None if said or not stack else vars(module).get("is_decoder", getattr(type(module), "is_decoder", None))
-    return f"{type(module).__name__}.is_decoder=False" if decoder is False else said  # (OpenNMT's MultiHeadedAttention)
+    decoder = vars(module).get("is_decoder", getattr(type(module), "is_decoder", None))
+    return mask_type(module) or (f"{type(module).__name__}.is_decoder=False" if decoder is False else None)
