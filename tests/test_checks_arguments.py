@@ -11,6 +11,7 @@ from checkbugs import ROWS, caught, check_bug, first, traced
 from maskcli.checks.arguments import document_starts
 
 ARGS = Path(__file__).parent / "data" / "args"
+BLIND = Path(__file__).parent / "data" / "blind"
 
 BUGS = [
     ("decode_mask_sliced", "padding-ignored"),  # thu-nics/C2C#19: the mask sliced to one column at decode
@@ -352,6 +353,18 @@ def test_src_tokens_at_the_pad_id_their_model_states_are_padding_no_real_query_s
     ids = [[2, 5, 7, 3, 9], [1, 1, 4, 6, 8], [1, 1, 1, 10, 11]]
     assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: ids[b][q] != 1 and ids[b][k] == 1)
     assert "pad id 1" in hit["source"]
+
+
+def test_source_ids_handed_as_src_at_the_pad_id_are_padding_no_real_query_sees(tmp_path):
+    """pytorch/text#2096 (written blind, batch blind-io; caught once real.SOURCE read `src` too): torchtext's T5
+    generate ran `encoder(inputs)`, T5Encoder.forward(src=...), with no src_key_padding_mask over right-padded prompts
+    (the shared embedding's padding_idx 0). Written another way: an nn.TransformerEncoder sentence encoder scored with
+    `model(src)`; the first cell against a loop over the ids."""
+    check_bug(tmp_path, "torchtext_t5_generate_encoder_padding_mask_not_passed", "padding-ignored", BLIND)
+    hit = check_bug(tmp_path, "src_ids_sentence_encoder_scored_without_key_padding", "padding-ignored", ARGS)[0]
+    ids = [[5, 9, 12, 7, 8], [6, 11, 4, 3, 3], [10, 13, 14, 15, 3]]
+    assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: ids[b][q] != 3 and ids[b][k] == 3)
+    assert "pad id 3" in hit["source"]
 
 
 def test_src_tokens_are_not_read_against_an_encoder_decoders_decoder(tmp_path):

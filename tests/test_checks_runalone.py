@@ -8,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from checkbugs import check_bug
+from checkbugs import check_bug, traced
 from maskcli.checks.runalone import _at, _bounded, _cut_short
 
 RUNALONE = Path(__file__).parent / "data" / "runalone"
+BLIND = Path(__file__).parent / "data" / "blind"
 
 
 def test_an_eos_equal_to_pad_masked_out_of_each_response_is_found(tmp_path):
@@ -71,6 +72,32 @@ def test_a_captioner_that_keeps_the_text_its_mask_keeps_left_padded_is_found(tmp
     found = check_bug(tmp_path, "vlm_prefix_collator_pad_eos_drops_turn_ends_left_padded", "unlike-run-alone", RUNALONE)
     samples = [[5, 9, 11, 2, 6, 13, 17, 19, 2], [5, 21, 2, 6, 23, 2], [5, 30, 31, 32, 2, 6, 40, 2]]
     _dropped(found, samples, 3, 2)
+
+
+def test_a_padded_row_whose_every_query_attends_its_pad_tokens_beside_added_features_is_found(tmp_path):
+    """oarriaga/paz#422 (written blind, batch blind-io): Florence-2's encoder over 34 image tokens and right-padded
+    instruction tokens, handed no mask (`build` passed None); the program encodes the short instruction alone. The
+    model lengthens its ids, so the call's keys are no positions of them: each query of the row attends its 4 pad
+    tokens more than any query alone (37 keys, against 34 + 3 by the program's inputs). Written another way: audio
+    frames put after the text, the pad id in a config dataclass, SDPA. Both fixes hand the mask from the ids."""
+    [hit] = check_bug(tmp_path, "paz_florence2_encoder_padded_instruction_tokens_attended", "unlike-run-alone", BLIND)
+    assert "attends 37 keys there" in hit["message"] and "other 4 tokens are the pad id 1 (token 3)" in hit["message"]
+    assert "each query of the row attends 41 keys" in hit["message"]  # 34 + 7: every key, the 4 pads among them
+    [hit] = check_bug(tmp_path, "audio_text_encoder_frames_after_padded_text_unmasked", "unlike-run-alone", RUNALONE)
+    assert "attends 9 keys there" in hit["message"] and "each query of the row attends 11 keys" in hit["message"]  # 4 + 5, 6 + 5
+
+
+def test_a_right_padded_causal_row_beside_added_features_is_quiet(tmp_path):
+    """The same lengthened model run causal with no mask over right padding: the row's real queries never see its
+    pads (each sees only earlier keys), so no query-agnostic count may call it wrong: its first query sees one key."""
+    program = (RUNALONE / "audio_text_encoder_frames_after_padded_text_unmasked.py").read_text()
+    causal = program.replace("x = torch.cat([self.embed(input_ids), self.audio(audio_features)], dim=1)",
+                             "x = torch.cat([self.audio(audio_features), self.embed(input_ids)], dim=1)")
+    causal = causal.replace("attn_mask=mask)", "attn_mask=mask, is_causal=mask is None)")
+    assert causal.count("is_causal") == 1 and "self.audio(audio_features), self.embed" in causal
+    (tmp_path / "causal_frames.py").write_text(causal)
+    status, found, report = traced(tmp_path, "causal_frames", False, tmp_path)
+    assert status == 0 and [f for f in found if f["code"] == "unlike-run-alone"] == [], report
 
 
 def test_a_stretch_is_read_once_and_bounded_against_a_loop():

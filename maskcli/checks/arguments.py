@@ -93,12 +93,12 @@ def over_stated_padding(call, run: Run) -> bool:
 
 
 def _decoder_of_source(run: Run, top) -> bool:
-    """The model call's only ids are `src_tokens` (real.SOURCE) and it makes a cross-attention: an encoder-decoder,
+    """The model call's only ids are source ids (`src_tokens`, `src`: real.SOURCE) and it makes a cross-attention: an encoder-decoder,
     whose decoder's self-attention is over other tokens than those ids (fairseq's `prev_output_tokens`)."""
     from maskcli.checks.real import SOURCE, TOKENS
 
     arguments = top.arguments
-    return SOURCE in arguments and not any(n in arguments for n in (*TOKENS, "first_ids")) \
+    return any(n in arguments for n in SOURCE) and not any(n in arguments for n in (*TOKENS, "first_ids")) \
         and any(run.top(other) is top for other in run.cross)
 
 

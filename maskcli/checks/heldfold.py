@@ -74,7 +74,7 @@ def handed_batch(run, call) -> int | None:
     from maskcli.checks.real import SOURCE, TOKENS, handed_ids
 
     top = run.top(call)
-    ids = None if top is None else handed_ids(top.arguments, (*TOKENS, SOURCE))
+    ids = None if top is None else handed_ids(top.arguments, (*TOKENS, *SOURCE))
     if ids is None or ids[1].shape[1] != call.shape[3] or call.shape[0] <= ids[1].shape[0] \
             or call.shape[0] % ids[1].shape[0]:
         return None

@@ -50,8 +50,8 @@ def handed_ids(arguments: dict, names: tuple = TOKENS) -> tuple[str, np.ndarray]
     if isinstance(held, tuple) and len(held) == 2 and isinstance(held[1], np.ndarray) and held[1].ndim == 2:
         return held
     return None
-SOURCE = "src_tokens"  # (fairseq's and Uni-Mol's encoder ids: read as the tokens where no target side is handed beside
-# them; an encoder-decoder's decoder attends other tokens, so arguments.py reads them only where the model call makes
+SOURCE = ("src_tokens", "src", "source", "src_ids", "source_ids", "input_src")  # (fairseq's and Uni-Mol's encoder ids,
+# torchtext T5Encoder's `src`: read as the tokens where no target side is handed beside them; an encoder-decoder's decoder attends other tokens, so arguments.py reads them only where the model call makes
 # no cross-attention)
 TARGETS = ("trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens")
 PLAIN = ("mask", "input_mask")  # 1 = a real token, read where its rows are right padding (_right_padding), or the
@@ -150,8 +150,9 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
             found.append(((given == 1) if turned else (given == 0), name, True))
     if tokens is None and "first_ids" in arguments:  # (a hand-written model's `forward(self, x)`: trace/tops.py)
         tokens = arguments["first_ids"][1]
-    if tokens is None and isinstance(arguments.get(SOURCE), np.ndarray) and not any(n in arguments for n in TARGETS):
-        tokens = arguments[SOURCE]
+    source = None if tokens is not None or any(n in arguments for n in TARGETS) else handed_ids(arguments, SOURCE)
+    if source is not None:
+        tokens = source[1]
     for name in PLAIN:
         given = arguments.get(name)
         if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.shape[0] == rows \
@@ -170,7 +171,7 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
             columns = np.arange(length)[None, :]
             left = tokens is not None and "pad_id" in arguments and (tokens[:, 0] == arguments["pad_id"]).any()
             found.append(((columns >= length - given[:, None]) if left else (columns < given[:, None]), name, True))
-    pad_id, by = arguments.get("pad_id"), ""
+    pad_id, by = arguments.get("src_pad_id" if source is not None and "src_pad_id" in arguments else "pad_id"), ""
     if not isinstance(pad_id, int) and isinstance(arguments.get("tokenizer_pad_id"), int):
         pad_id, by = arguments["tokenizer_pad_id"], f" of {arguments.get('tokenizer', 'the tokenizer')}"
     # (a pad id that is also the EOS or BOS may end or start a real sequence)

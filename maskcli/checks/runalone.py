@@ -36,7 +36,7 @@ from maskcli.text import Finding, spans
 def _ids(top) -> np.ndarray | None:
     """The call's token ids (B, L); where it was handed embeddings and no ids, one id per token's vector (trace's
     embeds_ids: the same vectors, the same id)."""
-    return next((top.arguments[n] for n in (*TOKENS, "embeds_ids") if isinstance(top.arguments.get(n), np.ndarray)
+    return next((top.arguments[n] for n in (*TOKENS, "token_ids", "embeds_ids") if isinstance(top.arguments.get(n), np.ndarray)
                  and top.arguments[n].ndim == 2), None)
 
 
@@ -109,6 +109,10 @@ def unlike_run_alone(run: Run) -> list:
                 if not sites and len(hidden) and not real[b, :i].any() and not real[b, i + n:].any():
                     found += _lengthened(run, top, other, ids, b, hidden, n)  # (the model lengthens its tokens)
                     break
+                pads = _pads(top, ids[b], real[b], i, n) if not sites and not len(hidden) else None
+                if pads is not None:
+                    found += _pads_attended(run, top, ids, b, pads, n, _attended(run, other, 1))
+                    break
                 if not sites:
                     continue
                 hit = _first(mine, sites, ids.shape[0], i, n, real[b], b)
@@ -134,9 +138,10 @@ def unlike_run_alone(run: Run) -> list:
     return found + _rows_twice(run, tops)
 
 
-def _attended(run: Run, top, rows: int) -> dict:
+def _attended(run: Run, top, rows: int, least: bool = False) -> dict:
     """Site -> the most keys one query of each batch row sees (a padded query that sees only itself, or none, is no
-    bound), at the first self-attention of `top` over all its rows (a softmax of a site that masks nowhere: every key)."""
+    bound; `least`: the fewest), at the first self-attention of `top` over all its rows (a softmax of a site that masks
+    nowhere: every key)."""
     found, unmasked = {}, {id(c) for c in run.unmasked}
     for call in sorted((c for c in (*run.made_by(top), *run.unmasked) if top.first <= c.index < top.end),
                        key=lambda c: c.index):
@@ -146,7 +151,7 @@ def _attended(run: Run, top, rows: int) -> dict:
         if id(call) in unmasked:
             found[call.where] = (call, np.full(rows, call.shape[3]))
         elif cells is not None:
-            found[call.where] = (call, cells.sum(axis=2).max(axis=1))
+            found[call.where] = (call, cells.sum(axis=2).min(axis=1) if least else cells.sum(axis=2).max(axis=1))
     return found
 
 
@@ -167,6 +172,36 @@ def _lengthened(run: Run, top, other, ids: np.ndarray, b: int, hidden: np.ndarra
                 f"same site: real tokens of that sequence dropped or hidden as padding"),
                 expected="every token the program runs alone real in the batch",
                 source=f"the attention_mask of {top.where}, against the program's run of those tokens alone"))]
+    return []
+
+
+def _pads(top, row: np.ndarray, real: np.ndarray, i: int, n: int) -> np.ndarray | None:
+    """The tokens of a row around its stretch [i, i + n), where each is the pad id the model states (no eos) and the
+    call's attention_mask, if any, keeps the whole row; None where there are none or any other token."""
+    pad = top.arguments.get("pad_id")
+    if not isinstance(pad, int) or pad == top.arguments.get("eos_id") or not real.all():
+        return None
+    rest = np.r_[0:i, i + n:len(row)]
+    return rest if len(rest) and (row[rest] == pad).all() else None
+
+
+def _pads_attended(run: Run, top, ids: np.ndarray, b: int, pads: np.ndarray, n: int, theirs: dict) -> list:
+    """unlike-run-alone where the model lengthens its ids (image features put before the text) and batch row `b` is
+    the stretch run alone and the pad id: at a site both calls reach, each query of the row (its fewest-seeing one)
+    attends exactly its pad tokens more keys than any query alone attends there (the same ids, the same lengthening),
+    so its real queries attend the padding, wherever the lengthening puts them (a causal row, right padded, is quiet:
+    its first query sees one key)."""
+    mine = _attended(run, top, ids.shape[0], least=True)
+    for where in (w for w in mine if w in theirs):
+        (call, seen), alone = mine[where], int(theirs[where][1][0])
+        if int(seen[b]) == alone + len(pads):
+            return [(call, Finding("unlike-run-alone", (
+                f"the program runs batch row {b}'s {n} tokens alone (another call of {top.where}), and {where} attends "
+                f"{alone} keys there; in the batch the row's other {len(pads)} tokens are the pad id "
+                f"{top.arguments['pad_id']} (token {int(pads[0])}) and each query of the row attends {int(seen[b])} keys "
+                f"at the same site: its padding attended as if it were text"),
+                expected=f"batch row {b} attending the {alone} keys it attends alone (its pad tokens masked)",
+                source=f"the pad id of {top.where}, against the program's run of those tokens alone"))]
     return []
 
 
