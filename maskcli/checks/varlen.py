@@ -158,7 +158,7 @@ def leaks(run: Run) -> list:
         top = run.top(call)
         if top is None and "documents" in call.details:  # a plain function that attends, holding cu_seqlens itself
             top = Top(f"the function attending at {call.where}", first=call.index, end=call.index + 1)
-        if top is None or call.stored is None or _parted(top) is not None:
+        if top is None or call.stored is None or _parted(top, call) is not None:
             continue  # (arguments that disagree: which documents leak depends on which is right; varlen-disagree)
         for name, labels in given(top, call):
             placed = _cells(call, labels)
@@ -189,10 +189,12 @@ def _restarts(positions: np.ndarray) -> np.ndarray:
     return begins
 
 
-def _parted(top) -> tuple | None:
+def _parted(top, call=None) -> tuple | None:
     """(first argument, its starts, other argument, its starts) of the first two of the model call's document arguments
-    (cu_seq_lens, seq_idx, position_ids restarts) that place the documents differently; None where they agree."""
-    sources = [(name, starts(labels)) for name, labels in given(top)]
+    (cu_seq_lens, seq_idx, position_ids restarts; the cu_seqlens the module that made `call` was handed, where the
+    model call holds none: nanotron#341's, built of the 2-D position_ids' row indices) that place the documents
+    differently; None where they agree."""
+    sources = [(name, starts(labels)) for name, labels in given(top, call)]
     positions = top.arguments.get("position_ids")
     real = top.arguments.get("attention_mask")
     if sources and positions is not None and positions.ndim == 2 and (real is None or real.min() > 0):
@@ -210,10 +212,13 @@ def disagree(run: Run) -> list:
         return found
     for call in run.calls:
         top = run.top(call)
-        if top is None or id(top) in done or call.stored is None:
+        if top is None or call.stored is None or id(top) in done and "documents" not in call.details:
             continue
-        done.add(id(top))
-        parted = _parted(top)
+        key = (id(top), str(call.details.get("documents")))
+        if key in done:
+            continue
+        done.update((id(top), key))
+        parted = _parted(top, call)
         if parted is None:
             continue
         first_name, first, name, begins = parted
