@@ -200,3 +200,15 @@ def test_no_alarm_for_right_padding_under_causality_or_an_unpadded_batch_with_no
     assert [f for f in gpt_findings(right) if f[1] == "wrong"] == []
     unpadded = torch.randint(4, 50, (3, 6), generator=torch.Generator().manual_seed(1))
     assert [f for f in gpt_findings(unpadded) if f[1] == "wrong"] == []
+
+
+def test_a_training_batch_in_an_outer_frame_is_not_held_against_a_generate_loops_mask(tmp_path):
+    """Written blind (batch quiet-yl, correct): MPT's prefix-LM trained on a right-padded batch (`input_ids`, 8 tokens,
+    padded with 0 in main()), then a greedy loop over left-padded prompts whose step over 8 keys holds its own
+    `attention_mask` (3, 8): main's stale training ids are another batch, read against that mask only by their shape.
+    The ids and the mask are paired only where one function holds both."""
+    from checkbugs import traced
+
+    quiet = Path(__file__).parent / "data" / "quiet_blind"
+    status, found, report = traced(tmp_path, "quiet_llmfoundry_mpt_prefix_lm_full_alibi_generate", False, quiet)
+    assert status == 0 and [f for f in found if f["code"] == "pad-ids-unmasked"] == [], report

@@ -73,7 +73,9 @@ def pad_ids_unmasked(run: Run) -> list:
         masks = [h for h in helds if h["kind"] == "keep" and h["rows"].ndim == 2 and h["rows"].shape == (rows, k_len)]
         for held in [h for h in helds if h["kind"] == "ids" and h["rows"].shape == (rows, k_len)]:
             reading = id_padding(held["rows"])
-            said = [m for m in masks if reading is not None and (m["rows"] & ~reading[0]).any()]
+            said = [m for m in masks if reading is not None and (m["rows"] & ~reading[0]).any()
+                    and m.get("where") == held.get("where")]  # (ids and mask of one function: a batch of an outer
+            # frame, over as many keys by chance, is another batch: the training batch beside a generate loop's mask)
             if not said:
                 continue
             cells = keep(call)
