@@ -128,6 +128,27 @@ def test_position_ids_that_restart_elsewhere_than_cu_seq_lens_are_wrong(tmp_path
     assert status == 1 and [f["code"] for f in wrong] == ["varlen-disagree"] and wrong[0]["cell"] == [0, 2, 2]
 
 
+def test_cu_seqlens_a_model_builds_for_its_layers_against_its_own_position_ids(tmp_path):
+    """huggingface/nanotron#341 (written blind, batch blind-iu): Qwen2Model built cu_seqlens of `torch.where(position_ids
+    == 0)[0]` on the 2-D position_ids (the rows of the starts, not their offsets) and handed them to each layer; its
+    stand-in varlen kernel followed them across documents. Written another way: a packed decoder that lays the first
+    row's document starts on every row. The documents the layers were handed are read against the model call's own
+    position_ids (where they restart at 0), as the model call's own cu_seq_lens are; the first disagreeing token by a
+    loop over the flattened starts."""
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data"
+    [hit] = check_bug(tmp_path, "nanotron_qwen2_cu_seqlens_row_indices_from_2d_position_ids", "varlen-disagree",
+                      data / "blind")
+    assert "starts documents at [0, 1] by cu_seqlens, at [0, 10] by position_ids" in hit["message"]
+    [hit] = check_bug(tmp_path, "packed_rows_cu_seqlens_from_first_rows_positions", "varlen-disagree", data / "varlen")
+    sizes = [[5, 3], [2, 6]]  # the program's documents, two rows of 8
+    by_positions = [t for row in sizes for n in row for t in [True] + [False] * (n - 1)]
+    by_cu = [t for _ in sizes for n in sizes[0] for t in [True] + [False] * (n - 1)]
+    at = next(i for i in range(16) if by_positions[i] != by_cu[i])
+    assert hit["cell"] == [at // 8, at % 8, at % 8]
+
+
 @pytest.mark.parametrize("cu", [[0, 3, 7, 9], [0, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
 def test_documents_from_cumulative_lengths_against_a_loop(cu):
     top = Top("m", arguments={"cu_seq_lens_q": np.array(cu), "cu_seq_lens_k": np.array(cu), "position_ids": np.zeros((1, 9), int)})
