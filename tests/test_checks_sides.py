@@ -165,3 +165,15 @@ def test_padded_query_rows_that_see_nothing_are_quiet(tmp_path):
     (a note), every real one sees itself: no wrong or suspicious finding."""
     status, found, report = traced(tmp_path, "seq2seq_sdpa_tgt_mask_padding_on_both_axes_quiet", False, SIDES)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_seq2seqs_first_ids_beside_its_target_ids_are_not_read_on_its_decoder(tmp_path):
+    """ai-glimpse/toynlp#52 (written blind, batch blind-iv): `TransformerModel.forward(source_token_ids,
+    target_token_ids)`, its target pad mask laid on the query axis. Its first argument is the source: the decoder's
+    self-attention and its logits are over the target's 6 tokens, and row 0's source (6 real tokens) is no statement
+    of them, so neither real-query-blind (its target pads 4-5 see nothing: they are pads) nor pooled-at-padding (the
+    program prints `logits[:, -1]`) may read it there. Before and after the fix, no finding is wrong."""
+    blind = Path(__file__).parent / "data" / "blind"
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, "toynlp_transformer_target_pad_mask_on_query_axis", fixed, blind)
+        assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -148,9 +148,11 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
                 and given.min() >= 0 and given.max() <= 1 and given.shape[0] in (1, rows):
             turned = name in REAL_TRUE or name in EITHER_WAY and _ones_are_tokens(given, tokens)
             found.append(((given == 1) if turned else (given == 0), name, True))
-    if tokens is None and "first_ids" in arguments:  # (a hand-written model's `forward(self, x)`: trace/tops.py)
+    if tokens is None and "first_ids" in arguments and "first_ids_beside" not in arguments:  # (a hand-written model's
+        # `forward(self, x)`: trace/tops.py; not a seq2seq's source ids, handed beside its target ids)
         tokens = arguments["first_ids"][1]
-    source = None if tokens is not None or any(n in arguments for n in TARGETS) else handed_ids(arguments, SOURCE)
+    source = None if tokens is not None or any(n in arguments for n in TARGETS) else next(
+        ((n, arguments[n]) for n in SOURCE if isinstance(arguments.get(n), np.ndarray) and arguments[n].ndim == 2), None)
     if source is not None:
         tokens = source[1]
     for name in PLAIN:

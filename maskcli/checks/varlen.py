@@ -194,7 +194,9 @@ def _parted(top, call=None) -> tuple | None:
     (cu_seq_lens, seq_idx, position_ids restarts; the cu_seqlens the module that made `call` was handed, where the
     model call holds none: nanotron#341's, built of the 2-D position_ids' row indices) that place the documents
     differently; None where they agree."""
-    sources = [(name, starts(labels)) for name, labels in given(top, call)]
+    inner = call if call is not None and "attention_mask" not in top.arguments else None  # (a flash path's own
+    # cu_seqlens, unpadded from the mask handed: documents-leak says it against the position_ids, trl#3673)
+    sources = [(name, starts(labels)) for name, labels in given(top, inner)]
     positions = top.arguments.get("position_ids")
     real = top.arguments.get("attention_mask")
     if sources and positions is not None and positions.ndim == 2 and (real is None or real.min() > 0):

@@ -234,8 +234,14 @@ def _first_ids(signature, given: dict, found: dict) -> dict:
     value = given.get(name)
     if issubclass(type(value), torch.Tensor) and value.dim() == 2 and not value.is_floating_point() \
             and value.dtype != torch.bool and value.numel() <= MOST and value.device.type != "meta":
-        return {"first_ids": (name, _int64(value))}
+        beside = next((n for n in signature.parameters if n != name and TARGET_SIDE.match(n)
+                       and issubclass(type(given.get(n)), torch.Tensor) and not given[n].is_floating_point()), None)
+        # (a seq2seq's `forward(source_token_ids, target_token_ids)`: its first ids are the source's, not its decoder's)
+        return {"first_ids": (name, _int64(value)), **({"first_ids_beside": beside} if beside else {})}
     return {}
+
+
+TARGET_SIDE = re.compile(r"(?:decoder_|tgt|trg|target)")  # the name of a target side's argument
 
 
 _CONVS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
