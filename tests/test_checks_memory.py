@@ -608,3 +608,21 @@ def test_cfg_caption_masks_expanded_like_their_embeds_and_cast_to_bf16_is_quiet(
     cross-attention adds a finfo.min bias. No finding that is wrong or suspicious."""
     status, found, report = traced(tmp_path, "cfg_caption_masks_expanded_like_embeds_bf16_quiet", False, MEMORY)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_cross_attention_masked_by_the_targets_padding_through_a_softmax_over_folded_rows(tmp_path):
+    """jadore801120/attention-is-all-you-need-pytorch 94aae68 (written blind, batch blind-iv): the decoder's `enc_attn`
+    masked by `get_attn_padding_mask(src_seq, tgt_seq)`, the target's pads laid on the source axis, source and target
+    of one length; its ScaledDotProductAttention softmaxes `attn.view(-1, len_k)`, the scores' rows folded to 2-D
+    (read as the scores they were: trace/scores.py as_unfolded), and a decoder's `enc_attn` is its cross-attention.
+    Written another way: a translator whose memory reader is handed the memory as its key and softmaxes a 2-D view;
+    the first cell against a loop over the source's and target's pads."""
+    from checkbugs import check_bug
+
+    blind = Path(__file__).parent / "data" / "blind"
+    check_bug(tmp_path, "aiayn_pytorch_dec_enc_pad_mask_from_target_seq", "encoder-padding-ignored", blind)
+    [hit] = check_bug(tmp_path, "seq2seq_flat_softmax_cross_mask_from_target_padding", "encoder-padding-ignored",
+                      Path(__file__).parent / "data" / "memory")
+    src = [[4, 9, 11, 7, 2], [6, 13, 2, 0, 0], [21, 22, 23, 24, 25]]
+    tgt = [[5, 3, 8, 0, 0], [12, 14, 15, 16, 17], [18, 19, 20, 26, 0]]
+    assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: tgt[b][q] != 0 and src[b][k] == 0 and tgt[b][k] != 0)

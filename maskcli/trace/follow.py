@@ -25,7 +25,7 @@ from maskcli.trace.posbias import bias_of
 from maskcli.trace.ranked import TOPS, Ranked
 from maskcli.trace.overflow import IN_PLACE, WATCHED
 from maskcli.trace.regrouped import reshaped
-from maskcli.trace.scores import HEADS, MATMULS, RESHAPES, as_matrix, stated_heads
+from maskcli.trace.scores import HEADS, MATMULS, RESHAPES, as_matrix, as_unfolded, stated_heads
 from maskcli.trace.shifted import shifted_reader
 from maskcli.trace.singleton import read as read_singleton, singleton, wider
 from maskcli.trace.unseen import plain, unseen
@@ -187,7 +187,9 @@ class Follow:
         if getattr(reader, "of_scores", False) and not self.scores.has(readers.softmax_input(args, kwargs)):
             return None  # (an exp or activation of no q @ kᵀ, a feed-forward's silu: no call, known before a frame is read)
         given = readers.softmax_input(args, kwargs) if reader is readers.softmax else None
-        if reader is readers.softmax and singleton(args, kwargs) and not self.scores.has(given):
+        if reader is readers.softmax and self.scores.flat and as_unfolded(reader, self.scores, args, kwargs) is not reader:
+            reader = as_unfolded(reader, self.scores, args, kwargs)  # (scores' rows folded to 2-D: scores.py)
+        elif reader is readers.softmax and singleton(args, kwargs) and not self.scores.has(given):
             reader = read_singleton  # (one element, over no q @ kᵀ: each weight 1, trace/singleton.py)
         elif reader is readers.softmax and not self.scores.attention(given) \
                 and self.discarded.dropped(given) is None:  # (a fill of its input, thrown away, says so)

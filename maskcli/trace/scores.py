@@ -301,6 +301,22 @@ def as_matrix(softmax, scores: Scores, args: tuple, kwargs: dict):
     return matrix
 
 
+def as_unfolded(softmax, scores: Scores, args: tuple, kwargs: dict):
+    """The reader of a softmax over scores whose rows were folded to 2-D (Scores.flat: `attn.view(-1, len_k)`, as
+    attention-is-all-you-need-pytorch's first ScaledDotProductAttention softmaxes them): read as the scores they were."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    held = scores.flat.get(id(x)) if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if held is None or held[0]() is not x or dim not in (-1, 1):
+        return softmax
+
+    def unfolded(args_, kwargs_):
+        return softmax((x.view(held[1]), -1), {})
+
+    unfolded.api = "softmax"
+    return unfolded
+
+
 def per_graph(args: tuple) -> bool:
     """A product of two 2-D tensors neither of which is a parameter or a view of one (x @ W is a projection, whose
     weight is one): q @ kᵀ of one unbatched sequence (a graph's nodes, as Graphormer's head computes
