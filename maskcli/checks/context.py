@@ -133,8 +133,7 @@ def masked_somewhere(call) -> bool:
 
 CROSS_WORDS = re.compile(r"encoder_?attn|encdecattention|cross_?attn|cross_?attention|crossattention|multihead_attn|src_attn"
                          r"|cross_?atts?(?![a-z])"  # (`cross_att`, a list of them `cross_atts`: bert4keras ports)
-                         r"|enc_?dec_?att(?:n|ention)|encoder_decoder_attention|context_attn"
-                         r"|dec[\w.]*[._]enc_?attn(?![a-z])"  # (a decoder's `enc_attn`: attention-is-all-you-need-pytorch's)
+                         r"|enc_?dec_?att(?:n|ention)|encoder_decoder_attention|context_attn|dec[\w.]*[._]enc_?attn(?![a-z])"
                          r"|(?<![a-z0-9])x_?att(?:n|ention)", re.IGNORECASE)  # (Flamingo's `gated_xattn`; not flex_attn)
 
 

@@ -50,9 +50,8 @@ def handed_ids(arguments: dict, names: tuple = TOKENS) -> tuple[str, np.ndarray]
     if isinstance(held, tuple) and len(held) == 2 and isinstance(held[1], np.ndarray) and held[1].ndim == 2:
         return held
     return None
-SOURCE = ("src_tokens", "src", "source", "src_ids", "source_ids", "input_src")  # (fairseq's and Uni-Mol's encoder ids,
-# torchtext T5Encoder's `src`: read as the tokens where no target side is handed beside them; an encoder-decoder's decoder attends other tokens, so arguments.py reads them only where the model call makes
-# no cross-attention)
+SOURCE = ("src_tokens", "src", "source", "src_ids", "source_ids", "input_src")  # (fairseq's, Uni-Mol's, torchtext T5's
+# encoder ids: the tokens where no target side is handed beside them; arguments.py reads them where no cross-attention is)
 TARGETS = ("trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens")
 PLAIN = ("mask", "input_mask")  # 1 = a real token, read where its rows are right padding (_right_padding), or the
 # ids' padding (plainpad.py)
@@ -148,13 +147,11 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
                 and given.min() >= 0 and given.max() <= 1 and given.shape[0] in (1, rows):
             turned = name in REAL_TRUE or name in EITHER_WAY and _ones_are_tokens(given, tokens)
             found.append(((given == 1) if turned else (given == 0), name, True))
-    if tokens is None and "first_ids" in arguments and "first_ids_beside" not in arguments:  # (a hand-written model's
-        # `forward(self, x)`: trace/tops.py; not a seq2seq's source ids, handed beside its target ids)
-        tokens = arguments["first_ids"][1]
+    if tokens is None and "first_ids" in arguments and "first_ids_beside" not in arguments:  # (`forward(self, x)`:
+        tokens = arguments["first_ids"][1]  # trace/tops.py; not a seq2seq's source ids beside its target ids)
     source = None if tokens is not None or any(n in arguments for n in TARGETS) else next(
         ((n, arguments[n]) for n in SOURCE if isinstance(arguments.get(n), np.ndarray) and arguments[n].ndim == 2), None)
-    if source is not None:
-        tokens = source[1]
+    tokens = tokens if source is None else source[1]
     for name in PLAIN:
         given = arguments.get(name)
         if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.shape[0] == rows \

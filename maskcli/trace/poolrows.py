@@ -231,14 +231,15 @@ def _mask(module, args: tuple, kwargs: dict):
     the program may pool at; else None."""
     mask = kwargs.get("attention_mask")
     if mask is None:
-        from maskcli.trace.tops import IDS, TARGET_SIDE, _given
+        from maskcli.trace.targetside import beside
+        from maskcli.trace.tops import IDS, _given
 
         signature, given = _given(module, args, kwargs)
         mask = given.get("attention_mask")
         if mask is None and "attention_mask" not in given and signature is not None:
             name = next((n for n in IDS if n in given), next((n for n in signature.parameters if n != "self"), None))
             ids = given.get(name)
-            if any(TARGET_SIDE.match(n) for n in given if n != name and given[n] is not None):
+            if beside(given, given, name) is not None:
                 ids = None  # (a seq2seq's call handed target ids too (toynlp's `target_token_ids`): its output's
                 # positions are theirs, not the source's)
             if type(ids) is torch.Tensor and ids.dim() == 2 and not ids.is_floating_point() and ids.dtype != torch.bool:

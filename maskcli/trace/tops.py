@@ -31,6 +31,7 @@ from maskcli.trace.padded import MOST, input_mask, lengths_over, nested_ids, pad
 from maskcli.trace.samplefields import sample_fields
 from maskcli.trace.samplerows import sample_rows
 from maskcli.trace.targetmap import target_mapping
+from maskcli.trace.targetside import beside
 from maskcli.trace.tiles import zero_units
 from maskcli.trace.tokentypes import token_types
 from maskcli.trace.tokenids import token_ids as _token_ids
@@ -61,8 +62,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "source_seq", "trg_seq", "tgt_seq", "target_seq")
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k")  # kept as ints too
-# a vision tower's patch padding, True (1) = a real patch: Idefics2's (B, H/p, W/p), MiniCPM-V's (B, 1, patches); kept flat
-PATCHES = ("patch_attention_mask", "patch_attn_mask")
+PATCHES = ("patch_attention_mask", "patch_attn_mask")  # a vision tower's real patches: Idefics2's (B, H/p, W/p), kept flat
 _NAMED = ARGUMENTS + PATCHES
 
 
@@ -226,22 +226,16 @@ CLASSED = ("image_shapes", "grid_thw", "image_grid_thw", "video_grid_thw", "toke
 
 
 def _first_ids(signature, given: dict, found: dict) -> dict:
-    """{"first_ids": (name, (B, L) ids)}: the call's first argument as 2-D integer ids under a name none of ARGUMENTS'
-    (a hand-written `forward(self, x)`), where none were kept by name (checks/batchaxis.py: its axes padded along)."""
+    """{"first_ids": (name, (B, L) ids)} of a hand-written `forward(self, x)` whose ids none of IDS names; "first_ids_beside": a
+    seq2seq's target ids beside them (trace/targetside.py: the first ids are then the source's)."""
     if signature is None or any(name in found for name in IDS):
         return {}
     name = next((n for n in signature.parameters if n != "self"), None)
     value = given.get(name)
     if issubclass(type(value), torch.Tensor) and value.dim() == 2 and not value.is_floating_point() \
             and value.dtype != torch.bool and value.numel() <= MOST and value.device.type != "meta":
-        beside = next((n for n in signature.parameters if n != name and TARGET_SIDE.match(n)
-                       and issubclass(type(given.get(n)), torch.Tensor) and not given[n].is_floating_point()), None)
-        # (a seq2seq's `forward(source_token_ids, target_token_ids)`: its first ids are the source's, not its decoder's)
-        return {"first_ids": (name, _int64(value)), **({"first_ids_beside": beside} if beside else {})}
+        return {"first_ids": (name, _int64(value)), **({"first_ids_beside": t} if (t := beside(signature.parameters, given, name)) else {})}
     return {}
-
-
-TARGET_SIDE = re.compile(r"(?:decoder_|tgt|trg|target)")  # the name of a target side's argument
 
 
 _CONVS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
