@@ -93,8 +93,8 @@ def over_stated_padding(call, run: Run) -> bool:
 
 
 def _decoder_of_source(run: Run, top) -> bool:
-    """The model call's only ids are source ids (`src_tokens`, `src`: real.SOURCE) and it makes a cross-attention: an encoder-decoder,
-    whose decoder's self-attention is over other tokens than those ids (fairseq's `prev_output_tokens`)."""
+    """The model call's only ids are source ids (`src_tokens`, `src`: real.SOURCE) and it makes a cross-attention: an
+    encoder-decoder, whose decoder's self-attention is over other tokens than those ids (fairseq's `prev_output_tokens`)."""
     from maskcli.checks.real import SOURCE, TOKENS
 
     arguments = top.arguments

@@ -29,13 +29,12 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, first_cell, keep
-from maskcli.checks.real import _edge, handed_ids
+from maskcli.checks.real import SOURCE, _edge, handed_ids
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
 MAJOR = ("input_ids", "idx", "tokens")  # batch-major by convention; `src` may be time-major (OpenNMT's)
-SOURCE = ("src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
 
 
 def _ids(arguments: dict) -> tuple[str, np.ndarray, int, str] | None:

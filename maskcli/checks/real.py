@@ -40,12 +40,12 @@ LENGTHS = ("lengths", "seq_lens", "seq_lengths", "input_lengths")
 TOKENS = ("input_ids", "idx", "tokens")
 
 
-def handed_ids(arguments: dict, names: tuple = TOKENS) -> tuple[str, np.ndarray] | None:
-    """(its name, (B, L)) of the token ids a model call was handed: the first of `names` it holds 2-D, else a
+def handed_ids(arguments: dict, names: tuple = TOKENS, first: bool = True) -> tuple[str, np.ndarray] | None:
+    """(its name, (B, L)) of the token ids a model call was handed: the first of `names` it holds 2-D, else (`first`) a
     hand-written forward's first argument (trace/tops.py's `first_ids`); None where it holds neither."""
     name = next((n for n in names if isinstance(arguments.get(n), np.ndarray) and arguments[n].ndim == 2), None)
-    if name is not None:
-        return name, arguments[name]
+    if name is not None or not first:
+        return None if name is None else (name, arguments[name])
     held = arguments.get("first_ids")
     if isinstance(held, tuple) and len(held) == 2 and isinstance(held[1], np.ndarray) and held[1].ndim == 2:
         return held
@@ -149,8 +149,7 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
             found.append(((given == 1) if turned else (given == 0), name, True))
     if tokens is None and "first_ids" in arguments and "first_ids_beside" not in arguments:  # (`forward(self, x)`:
         tokens = arguments["first_ids"][1]  # trace/tops.py; not a seq2seq's source ids beside its target ids)
-    source = None if tokens is not None or any(n in arguments for n in TARGETS) else next(
-        ((n, arguments[n]) for n in SOURCE if isinstance(arguments.get(n), np.ndarray) and arguments[n].ndim == 2), None)
+    source = None if tokens is not None or any(n in arguments for n in TARGETS) else handed_ids(arguments, SOURCE, False)
     tokens = tokens if source is None else source[1]
     for name in PLAIN:
         given = arguments.get(name)

@@ -111,7 +111,7 @@ def unlike_run_alone(run: Run) -> list:
                     break
                 pads = _pads(top, ids[b], real[b], i, n) if not sites and not len(hidden) else None
                 if pads is not None:
-                    found += _pads_attended(run, top, ids, b, pads, n, _attended(run, other, 1))
+                    found += _pads_attended(run, top, other, ids, b, pads, n)
                     break
                 if not sites:
                     continue
@@ -151,7 +151,8 @@ def _attended(run: Run, top, rows: int, least: bool = False) -> dict:
         if id(call) in unmasked:
             found[call.where] = (call, np.full(rows, call.shape[3]))
         elif cells is not None:
-            found[call.where] = (call, cells.sum(axis=2).min(axis=1) if least else cells.sum(axis=2).max(axis=1))
+            seen = cells.sum(axis=2)
+            found[call.where] = (call, seen.min(axis=1) if least else seen.max(axis=1))
     return found
 
 
@@ -185,13 +186,13 @@ def _pads(top, row: np.ndarray, real: np.ndarray, i: int, n: int) -> np.ndarray 
     return rest if len(rest) and (row[rest] == pad).all() else None
 
 
-def _pads_attended(run: Run, top, ids: np.ndarray, b: int, pads: np.ndarray, n: int, theirs: dict) -> list:
+def _pads_attended(run: Run, top, other, ids: np.ndarray, b: int, pads: np.ndarray, n: int) -> list:
     """unlike-run-alone where the model lengthens its ids (image features put before the text) and batch row `b` is
     the stretch run alone and the pad id: at a site both calls reach, each query of the row (its fewest-seeing one)
     attends exactly its pad tokens more keys than any query alone attends there (the same ids, the same lengthening),
     so its real queries attend the padding, wherever the lengthening puts them (a causal row, right padded, is quiet:
     its first query sees one key)."""
-    mine = _attended(run, top, ids.shape[0], least=True)
+    mine, theirs = _attended(run, top, ids.shape[0], least=True), _attended(run, other, 1)
     for where in (w for w in mine if w in theirs):
         (call, seen), alone = mine[where], int(theirs[where][1][0])
         if int(seen[b]) == alone + len(pads):

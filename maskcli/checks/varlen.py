@@ -209,17 +209,19 @@ def _parted(top, call=None) -> tuple | None:
 
 def disagree(run: Run) -> list:
     """Two arguments of one model call that place its documents differently: cu_seq_lens, seq_idx, position_ids."""
-    found, done = [], set()
+    found, done, tops = [], set(), set()
     if not _handed(run):
         return found
     for call in run.calls:
         top = run.top(call)
-        if top is None or call.stored is None or id(top) in done and "documents" not in call.details:
+        if top is None or call.stored is None:
             continue
-        key = (id(top), str(call.details.get("documents")))
-        if key in done:
+        documents = call.details.get("documents")  # (a module's own cu_seqlens: each distinct set read once)
+        key = (id(top), None if documents is None else tuple((n, v.tobytes()) for n, v in documents.items()))
+        if key in done or documents is None and id(top) in tops:
             continue
-        done.update((id(top), key))
+        done.add(key)
+        tops.add(id(top))
         parted = _parted(top, call)
         if parted is None:
             continue

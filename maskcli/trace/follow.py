@@ -187,8 +187,9 @@ class Follow:
         if getattr(reader, "of_scores", False) and not self.scores.has(readers.softmax_input(args, kwargs)):
             return None  # (an exp or activation of no q @ kᵀ, a feed-forward's silu: no call, known before a frame is read)
         given = readers.softmax_input(args, kwargs) if reader is readers.softmax else None
-        if reader is readers.softmax and self.scores.flat and as_unfolded(reader, self.scores, args, kwargs) is not reader:
-            reader = as_unfolded(reader, self.scores, args, kwargs)  # (scores' rows folded to 2-D: scores.py)
+        unfolded = as_unfolded(reader, self.scores, args, kwargs) if reader is readers.softmax and self.scores.flat else reader
+        if unfolded is not reader:
+            reader = unfolded  # (a softmax over scores' rows folded to 2-D: scores.py)
         elif reader is readers.softmax and singleton(args, kwargs) and not self.scores.has(given):
             reader = read_singleton  # (one element, over no q @ kᵀ: each weight 1, trace/singleton.py)
         elif reader is readers.softmax and not self.scores.attention(given) \

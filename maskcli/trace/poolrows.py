@@ -239,7 +239,7 @@ def _mask(module, args: tuple, kwargs: dict):
         if mask is None and "attention_mask" not in given and signature is not None:
             name = next((n for n in IDS if n in given), next((n for n in signature.parameters if n != "self"), None))
             ids = given.get(name)
-            if beside(given, given, name) is not None:
+            if beside(signature.parameters, given, name) is not None:
                 ids = None  # (a seq2seq's call handed target ids too (toynlp's `target_token_ids`): its output's
                 # positions are theirs, not the source's)
             if type(ids) is torch.Tensor and ids.dim() == 2 and not ids.is_floating_point() and ids.dtype != torch.bool:

@@ -287,11 +287,8 @@ def batch_major(a, out) -> tuple[int, int] | None:
 def as_matrix(softmax, scores: Scores, args: tuple, kwargs: dict):
     """The reader of a softmax over 2-D scores of one unbatched sequence (Scores.matrices): read as (1, Lq, Lk), one
     batch row of Lq queries, not as the (B, Lk) single-query scores a 2-D softmax is otherwise read as."""
-    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or id(x) not in scores.matrices or not scores.has(x):
-        return softmax
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if dim not in (-1, 1):
+    x, dim = _rows_of(args, kwargs)
+    if x is None or id(x) not in scores.matrices or not scores.has(x) or dim not in (-1, 1):
         return softmax
 
     def matrix(args_, kwargs_):
@@ -304,9 +301,8 @@ def as_matrix(softmax, scores: Scores, args: tuple, kwargs: dict):
 def as_unfolded(softmax, scores: Scores, args: tuple, kwargs: dict):
     """The reader of a softmax over scores whose rows were folded to 2-D (Scores.flat: `attn.view(-1, len_k)`, as
     attention-is-all-you-need-pytorch's first ScaledDotProductAttention softmaxes them): read as the scores they were."""
-    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
-    held = scores.flat.get(id(x)) if isinstance(x, torch.Tensor) and x.dim() == 2 else None
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    x, dim = _rows_of(args, kwargs)
+    held = None if x is None else scores.flat.get(id(x))
     if held is None or held[0]() is not x or dim not in (-1, 1):
         return softmax
 
@@ -315,6 +311,12 @@ def as_unfolded(softmax, scores: Scores, args: tuple, kwargs: dict):
 
     unfolded.api = "softmax"
     return unfolded
+
+
+def _rows_of(args: tuple, kwargs: dict) -> tuple:
+    """(a softmax's 2-D input, else None; its dim) from its arguments."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    return (x if isinstance(x, torch.Tensor) and x.dim() == 2 else None), (args[1] if len(args) > 1 else kwargs.get("dim"))
 
 
 def per_graph(args: tuple) -> bool:
