@@ -91,6 +91,8 @@ def pad_ids_unmasked(run: Run) -> list:
             # (under a causal mask over right padding only padded queries see them: the mask is no less wrong, and
             # whatever reads those rows (a pooled output, a varlen unpadding by the mask) reads pad tokens as text)
             only = "" if (bad & real_q[:, :, None]).any() else ", padded queries only"
+            if only and said[0]["name"] == "mask":  # (a plain `mask` that only padded queries' keys contradict may be
+                continue  # the loss's, beside `targets`: it counts the pad tokens' stop targets; trajectory-transformer)
             b, q, k = first_cell(bad & real_q[:, :, None] if only == "" else bad)
             mask = f"{said[0]['name']} in {said[0]['where']}"
             done[key] = Finding("pad-ids-unmasked", (

@@ -28,14 +28,17 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
-def expected(height: int, width: int, window: int, shift: int, transposed: bool = False) -> np.ndarray:
-    """Bool (nW, N, N): Swin's shifted-window keep mask, by a loop over the map's regions and windows."""
+def expected(height: int, width: int, window: int, shift: int, transposed: bool = False,
+             real: tuple[int, int] | None = None) -> np.ndarray:
+    """Bool (nW, N, N): Swin's shifted-window keep mask, by a loop over the map's regions and windows. `real`: the
+    map's own size where the block rolls it first and pads it to whole windows after (KerasHub's Swin: the regions cut
+    on the real map, the padding labelled 0 as window_partition pads the labels)."""
     labels = np.zeros((height, width), dtype=np.int64)
     cuts = (slice(0, -window), slice(-window, -shift), slice(-shift, None))
-    count = 0
+    count, cut = 0, labels[:real[0], :real[1]] if real else labels  # (a view: its regions are labels')
     for h in cuts:
         for w in cuts:
-            labels[h, w] = count
+            cut[h, w] = count
             count += 1
     windows = []
     for top in range(0, height, window):
@@ -121,8 +124,11 @@ def _finding(held: dict, keep: np.ndarray) -> Finding | None:
             f"{keep.shape[0]} windows: it was built for another map, and its windows are laid on the wrong ones"),
             expected=f"Swin's mask for shift {shift}, window {window}, {each} windows per image", source=source)
     meant = np.tile(expected(height, width, window, shift), (images, 1, 1))
-    if np.array_equal(keep, meant) or np.array_equal(keep, np.tile(expected(height, width, window, shift, True),
-                                                                   (images, 1, 1))):
+    resolution = tuple(held.get("resolution") or ())
+    real = resolution if len(resolution) == 2 and resolution != (height, width) and all(
+        -(-side // window) * window == padded for side, padded in zip(resolution, (height, width))) else None
+    if any(np.array_equal(keep, np.tile(expected(height, width, window, shift, transposed, at), (images, 1, 1)))
+           for transposed in (False, True) for at in {None, real}):
         return None
     differ = keep != meant
     w, q, k = first_cell(differ)

@@ -279,6 +279,12 @@ def targets(run: Run) -> list:
             said = stated(top, rows, length)  # (of a real token only: a padding row's output is the program's to drop)
             uniform &= True if said is None else np.broadcast_to(said[0], uniform.shape)
             bad[:, q, q + 1] = (cells[:, q, q + 1] | uniform[:, q]) & predicts[:, q]
+            back = top.arguments.get("previous_token")  # (a loss on the previous token too: two streams, a forward and
+            if back is not None:  # a backward LM, each blind to its own target; a call wrong for either sees both)
+                previous = back[1] if back[0] == 1 else back[1].T
+                both = np.zeros(bad.shape[:2], bool)
+                both[:, 1:length - 1] = (cells[:, q[1:], q[1:] - 1] | uniform[:, 1:length - 1]) & previous[:, 1:length - 1]
+                bad[:, q, q + 1] &= both[:, q]
             if bad.any():
                 b, q, k = first_cell(bad)
                 by = f"`{top.arguments['next_token_by']}`" if "next_token_by" in top.arguments else "input ids"

@@ -125,8 +125,9 @@ def padding(frames: list | None = None) -> list[dict] | None:
             for name in held:
                 value = variables.get(name)
                 if issubclass(type(value), torch.Tensor) and id(value) not in seen:
-                    seen.add(id(value))
                     read = _read(name, value, code)
+                    if read is not None:  # (one that says nothing here may under an outer name: Sockeye's `valid_length`)
+                        seen.add(id(value))
                     if read is not None and name in pairedids.PAIRS \
                             and pairedids.inner_other(name, value, variables, pairedids.between(frame)):
                         continue  # (a decoder mask of other tokens than those a function nearer the call holds)
@@ -153,12 +154,26 @@ def padding(frames: list | None = None) -> list[dict] | None:
                 found.extend(read for read in _entries(name, value, code, seen) if not any(
                     read["name"] == f'{name}["{key}"]' and pairedids.inner_other(key, value[key], value, pairedids.between(frame))
                     for key in pairedids.PAIRS))
+        if start and len(found) > start:
+            found[start:] = [read for read in found[start:] if not _shadowed(read, found[:start])]
         if top:
             found[start:] = [dict(read, top=True) for read in found[start:]]
     if outer and _own_mask(innermost, {id(value) for _, value in outer}):
         found = [read for read in found if not any(read is o for o, _ in outer)]
         found += slicedheld.views(innermost, outer, HANDED)  # (a window of one of them, rows and columns apart)
     return found or None
+
+
+SHADOWED = ("lengths", "keep", "pad")  # (rows of a batch each; a cells mask's one row is a broadcast, not a batch of one)
+
+
+def _shadowed(read: dict, inner: list[dict]) -> bool:
+    """Whether a function nearer the call holds padding of the same kind over fewer batch rows than `read` (a part of
+    its batch, or a row run alone: Sockeye's beam search over each source alone inside main's loop over the batch):
+    `read` is then another batch's, not this call's. (More rows nearer the call are routine: a batch folded with
+    heads or pairs, AlphaFold's (b i) j pair mask beside its (b, j) one.)"""
+    return read["kind"] in SHADOWED and any(
+        other["kind"] == read["kind"] and len(other["rows"]) < len(read["rows"]) for other in inner)
 
 
 def split_top(details: dict) -> None:

@@ -33,6 +33,8 @@ def watched(trace) -> dict:
         if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.numel() > 1 << 20:
             return None
         weight = _loss_mask(target) if kwargs.get("reduction") == "none" else None
+        unweighed = kwargs.get("reduction") == "none" and weight is None  # (weighed after it returns, by what is
+        # not named: which targets it counts is unsaid, `(nll * (mask & (targets != 0))).sum()`)
         # (the loss inside the model's own forward, which has made attention calls: not a loss module's own call).
         # The outermost module call held (outer.py) may have returned already: its first call runs without the hook
         # that finishes it, so it is still held after it ends. Inside it only while its frame is on this stack.
@@ -40,16 +42,15 @@ def watched(trace) -> dict:
         inner = held is not None and held[0] is not None and len(trace._calls) > held[4] and _running(held[0])
         if inner:  # its model call is no top yet: read when it is (outer.py's _finish calls inside())
             found = _counted(target.detach().cpu().numpy().astype(np.int64), weight, ignore)
-            trace._local.losses = [*(getattr(trace._local, "losses", None) or ()), (found, ignore)][-RECENT:]
+            trace._local.losses = [*(getattr(trace._local, "losses", None) or ()), (found, ignore, unweighed)][-RECENT:]
             return None
         if not trace.tops:  # (reading them finishes the module calls held that have ended: capture.py)
             return None
         found = _counted(target.detach().cpu().numpy().astype(np.int64), weight, ignore)
-        _count(trace.tops[-1], found, ignore)
+        if not unweighed:
+            _count(trace.tops[-1], found, ignore)
         for top in reversed(trace.tops[-RECENT:]):
-            shifted = None if "next_token" in top.arguments else _of_ids(found, top.arguments, ignore)
-            if shifted is not None:
-                top.arguments["next_token"] = shifted
+            if _note_shifts(top.arguments, found, ignore):
                 break
         return None
 
@@ -59,11 +60,28 @@ def watched(trace) -> dict:
 
 def inside(top, losses) -> None:
     """The targets of losses the model call computed in its own forward (a model given `labels`), read against its ids."""
-    for found, ignore in losses:
-        _count(top, found, ignore)
-        shifted = None if "next_token" in top.arguments else _of_ids(found, top.arguments, ignore)
-        if shifted is not None:
-            top.arguments["next_token"] = shifted
+    for found, ignore, unweighed in losses:
+        if not unweighed:
+            _count(top, found, ignore)
+        _note_shifts(top.arguments, found, ignore)
+
+
+def _note_shifts(arguments: dict, found: np.ndarray, ignore: int) -> bool:
+    """The model call's `next_token` where the loss's targets are its ids one position on; else its `previous_token`
+    where they are its ids one position back (a backward LM's: ELMo's and AllenNLP's bidirectional LM train both
+    ways, each stream blind to its own target, so a query seeing the next token is then no contradiction alone).
+    Whether either was read."""
+    shifted = None if "next_token" in arguments else _of_ids(found, arguments, ignore)
+    if shifted is not None:
+        arguments["next_token"] = shifted
+        return True
+    ids = next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray)), None)
+    if "previous_token" not in arguments and ids is not None and ids.ndim == 2:
+        back = _shifted(target=found, ids=ids, ignore=ignore, back=True)
+        if back is not None:
+            arguments["previous_token"] = back
+            return True
+    return False
 
 
 def _count(top, target: np.ndarray, ignore: int) -> None:
@@ -152,14 +170,19 @@ def _running(frame) -> bool:
     return False
 
 
-def _shifted(target: np.ndarray, ids: np.ndarray, ignore: int) -> tuple[int, np.ndarray] | None:
+def _shifted(target: np.ndarray, ids: np.ndarray, ignore: int, back: bool = False) -> tuple[int, np.ndarray] | None:
+    """(the sequence axis, bool ids-shaped: the positions whose next token the loss counts as their target) where the
+    targets are the ids one position on (`back`: one position back, the positions whose previous token it counts)."""
     for axis in (1, 0):
         length = ids.shape[axis]
         if length < 2:
             continue
         head, nxt = np.take(ids, np.arange(length - 1), axis=axis), np.take(ids, np.arange(1, length), axis=axis)
+        if back:  # (position i + 1's target is token i)
+            head, nxt = nxt, head
+        at = np.arange(1, length) if back else np.arange(length - 1)
         if target.size == ids.size:
-            pred = np.take(target.reshape(ids.shape), np.arange(length - 1), axis=axis)
+            pred = np.take(target.reshape(ids.shape), at, axis=axis)
         elif target.size == head.size:
             pred = target.reshape(head.shape)
         else:
@@ -168,7 +191,7 @@ def _shifted(target: np.ndarray, ids: np.ndarray, ignore: int) -> tuple[int, np.
         if valid.sum() >= 2 and (pred[valid] == nxt[valid]).all() and not (pred[valid] == head[valid]).all():
             predicts = np.zeros(ids.shape, bool)
             index = [slice(None), slice(None)]
-            index[axis] = slice(0, length - 1)
+            index[axis] = slice(1, length) if back else slice(0, length - 1)
             predicts[tuple(index)] = valid
             return axis, predicts
     return None
