@@ -38,6 +38,8 @@ def _loop(cells: np.ndarray) -> np.ndarray:
         for t in range(length):
             others = sum(1 for q in range(length) if q != t and own[q] and cells[b, q, t])
             real.append(own[t] and count >= 2 and 2 * others >= count)
+        if any(cells[b, q, k] and not own[q] and not own[k] for q in range(length) for k in range(length)):
+            continue  # (tokens hidden from themselves that see one another: no padding)
         for k in range(length):
             hidden = sum(1 for q in range(length) if real[q] and not cells[b, q, k])
             if own[k] or hidden < 2:

@@ -253,6 +253,14 @@ def document_starts(position_ids: np.ndarray, real: np.ndarray | None) -> np.nda
     return np.cumsum(restart, axis=1)
 
 
+def counts_on(positions: np.ndarray) -> np.ndarray:
+    """Bool (B, 1): rows where some token after the first sits at 0 and the next two at 1 and 2, a packed document
+    counting on from its start; 0s that never count on (GraphCodeBERT's data-flow nodes at 0 between code tokens at 2,
+    3, ... and pads at 1) mark a kind of token, not documents."""
+    p = positions
+    return ((p[:, 1:-2] == 0) & (p[:, 2:-1] == 1) & (p[:, 3:] == 2)).any(axis=1, keepdims=True)
+
+
 def flat_positions(arguments: dict):
     """A model call's position_ids, one position per token (B, L): as given where 2-D; else its multimodal rope ids
     (C, B, L) (trace/tops.py keeps them apart, as `mrope_position_ids`): Qwen2-VL's 3 rows (t, h, w), read as the

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
-from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent
+from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent, transformers_config
 from maskcli.checks.real import behind_cache, slack_dropped, trimmed
 from maskcli.checks.registry import Rule
 from maskcli.checks.sides import beside_encoder
@@ -37,7 +37,7 @@ def layer_kinds(config, indexes) -> list[tuple[str, str] | None]:
     """layer_kind of each of `indexes`, the config read once (10^6 layers read it 10^6 times: minutes); none from a
     config of the program's own with a layer pattern of its own (nanochat's window_pattern "SL", read by its model)."""
     fields = {} if config is None else fields_of(config)
-    if config is None or (not fields and not _transformers(config) and _own_pattern(config)):
+    if config is None or (not fields and not transformers_config(config) and _own_pattern(config)):
         return [None] * len(indexes)
     return [None if found is None else found[:2] for found in map(Intent([Stated("config", "", fields)]).kind, indexes)]
 
@@ -50,10 +50,6 @@ def _own_pattern(config) -> bool:
         return False
     return any(isinstance(name, str) and any(word in name for word in ("pattern", *OTHER_LAYERS))
                and value not in (None, False, 0, "", [], ()) for name, value in items.items())
-
-
-def _transformers(config) -> bool:
-    return any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(config).__mro__)
 
 
 class Placed:
@@ -238,7 +234,8 @@ def window(run: Run) -> list:
                 sure = name == "sliding_window"
                 found.append((call, Finding("window-off-by-one", (
                     f"{where} sees window({other}), one key {how} than its config's window({size}) ({source}): an "
-                    f"off-by-one ({COUNTS_QUERY})" if sure else
+                    f"off-by-one ({COUNTS_QUERY if source.startswith('sliding_window=') else 'the window counts the query itself'})"
+                    if sure else
                     f"{where} sees window({other}), one key {how} than the window({size}) its config states "
                     f"({source}): an off-by-one unless its window_size counts the keys before the query only"),
                     severity=None if sure else "suspicious", expected=f"window({size})", source=source)))

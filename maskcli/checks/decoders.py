@@ -14,14 +14,19 @@ key rightly), padding queries and keys (real.py), later keys the model call's to
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from maskcli.checks.context import Run, first_cell, keep, queries
-from maskcli.checks.intent import stated_for
+from maskcli.checks.intent import stated_for, transformers_config
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
 from maskcli.text import Finding
+
+
+DECODER_PART = re.compile(r"(?:^|\.)decoder(?:\.|$|_)")  # a module path inside an encoder-decoder's decoder
 
 
 def said_decoder(run: Run, call) -> str | None:
@@ -34,6 +39,12 @@ def said_decoder(run: Run, call) -> str | None:
     if not mine:
         return None
     inner = max(mine, key=lambda one: len(one.scope or "") if one.scope is not None else -1)
+    if inner.scope is None and (getattr(top.config, "is_encoder_decoder", False) is True
+                                and not DECODER_PART.search(call.where or "")
+                                or transformers_config(top.config) and getattr(top.config, "is_decoder", None) is not True):
+        return None  # (a program's text config, held by no module, speaks neither for a model call whose own config
+        # says it is no decoder nor for an encoder-decoder's encoder: Pix2Struct's `Pix2StructTextConfig(is_decoder=True)`
+        # is not its vision encoder's)
     return f"is_decoder=True ({inner.source})" if inner.fields["causal_decoder"] else None
 
 

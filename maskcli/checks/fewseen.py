@@ -7,7 +7,9 @@ HF's key mask over every row) does both. Where one real query (its own cell kept
 other real queries: a token of the text, not a padding row) still sees such a padding key that at least two other
 real queries do not, the mask contradicts itself for that query: its row was built apart from the padding (theislab/
 CellFlow#226: TokenAttentionPooling prepends a CLS token to a padded set, copies the set's mask into `[1:, 1:]` and
-leaves the CLS row all ones, so the pooled embedding attends the padded elements). Left alone: a mask that hides no
+leaves the CLS row all ones, so the pooled embedding attends the padded elements). Left alone: a batch row whose
+tokens hidden from themselves see one another (no padding: GraphCodeBERT's data-flow nodes, linked by their edges and
+seen by their code spans, none by itself), a mask that hides no
 token's own cell (padding rows that attend each other), a padding row unmasked whole (transformers' SDPA unmasking of
 fully masked left-padding rows: its key is hidden from every real query, so it is not read as real), a causal mask
 (a real query never sees later keys: the last token's key is seen by none), cross-attention and one query.
@@ -40,6 +42,9 @@ def against(cells: np.ndarray) -> np.ndarray:
     pad = ~own[:, hidden] & ((real[:, :, None] & ~cells[:, :, hidden]).sum(axis=1) >= 2)  # (hidden from itself and
     # from two real queries)
     found[:, :, hidden] = cells[:, :, hidden] & real[:, :, None] & pad[:, None, :]
+    linked = (cells & ~own[:, :, None] & ~own[:, None, :]).any(axis=(1, 2))  # (B,): tokens hidden from themselves that
+    # see each other are a kind of token, not padding (GraphCodeBERT's data-flow nodes, linked by their edges)
+    found[linked] = False
     return found
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.arguments import document_starts, padded_positions
+from maskcli.checks.arguments import counts_on, document_starts, padded_positions
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries, real_queries
 from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, handed_elsewhere, seen_both_ways, stated_instead
 from maskcli.checks.heldfold import folded_padding, handed_batch, over_memory, padded_batch as _padding, rows_of
@@ -292,7 +292,7 @@ def held_documents(run: Run) -> list:
                 if cells is None or cells.shape[0] not in (1, rows) or positions.shape[1] != k_len \
                         or positions.shape[0] not in (1, rows):
                     continue
-                labels = np.broadcast_to(document_starts(positions, None), (rows, k_len))
+                labels = np.broadcast_to(np.where(counts_on(positions), document_starts(positions, None), 0), (rows, k_len))
                 padded = np.broadcast_to(padded_positions(positions), (rows, k_len))
                 seen = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
                 across = seen & (labels[:, :, None] != labels[:, None, :]) & ~padded[:, :, None]

@@ -86,7 +86,8 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
         if held.get("square") and cells.all():  # (a call that masks nothing unmasks no padding row on purpose: the
             counted = np.ones_like(counted)  # (Lq, Lk) mask dropped; _square's come last, after the cells masks)
         counted = counted & ~_padding_queries(table)
-        either = [cells & ~table & counted[:, :, None], cells & table & counted[:, :, None]]  # (True = keep; True = hide)
+        either = [cells & ~table & (counted & table.any(axis=2))[:, :, None],  # (True = keep; True = hide; a row it
+                  cells & table & (counted & ~table.all(axis=2))[:, :, None]]  # hides whole is padding the kernel fills)
         if all(bad.any() for bad in either):
             bad = min(either, key=lambda x: int(x.sum()))
             b, q, k = first_cell(bad)

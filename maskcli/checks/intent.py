@@ -62,6 +62,11 @@ class Stated:
     fields: dict  # FIELDS it states (value not None), "layers" (its layer count) and FLAGS
 
 
+
+def transformers_config(value) -> bool:
+    """A transformers config: its class derives from PretrainedConfig (PreTrainedConfig in transformers 5)."""
+    return any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__)
+
 def config_like(value, named: bool = False) -> bool:
     """A value that may be a config: a dict with str keys, a dataclass instance, a namespace, a transformers config, an
     object of a class named like one, or any object a module keeps under a config's name (`named`)."""
@@ -102,6 +107,9 @@ def fields_of(value) -> dict:
                       and type(items[name]) is int), None)
         if named is not None:
             found["sliding_window_size"], found["window_field"] = items[named], named
+    if "sliding_window" not in found and items.get("same_length") is True and type(items.get("mem_len")) is int \
+            and items["mem_len"] > 0 and items.get("attn_type", "uni") == "uni":  # (Transformer-XL's: every query sees
+        found["sliding_window"], found["window_said"] = items["mem_len"], "mem_len"  # mem_len keys, itself the last)
     text = items.get("text_config")
     unset = _bidirectional_unset(value, items, text)
     if unset is not None:
@@ -114,7 +122,7 @@ def _bidirectional_unset(value, items: dict, text) -> dict | None:
     on itself or its text config, `use_bidirectional_attention` set to None: Gemma 4's word that its image tokens are
     causal (only "vision" makes them bidirectional: transformers' modeling_gemma4.py 2476), read by checks/spans.py
     where the model is Gemma 4."""
-    if any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__):
+    if transformers_config(value):
         return None
     image = next((items[n] for n in IMAGE_IDS if isinstance(items.get(n), int) and not isinstance(items[n], bool)), None)
     if image is None:
@@ -158,7 +166,7 @@ def _fields_besides(value, items: dict, text, found: dict) -> dict:
         if isinstance(items.get(name), int):
             found["layers"] = items[name]
             break
-    found["transformers"] = any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__)
+    found["transformers"] = transformers_config(value)
     if found["transformers"]:
         found.pop("window_size", None)  # (transformers' attention reads sliding_window; a window_size is a vision window)
         found["added"] = _added(value, [name for name in found if name in FIELDS])  # (the program's own: classfields.py)
@@ -200,6 +208,8 @@ class Intent:
             del self.values[name]
         self.renamed = {"sliding_window_size": one.fields["window_field"] for one in stated  # (said by its own name)
                         if one.fields.get("window_field") and self.sources.get("sliding_window_size") == one.source}
+        self.renamed.update({"sliding_window": one.fields["window_said"] for one in stated if one.fields.get("window_said")
+                             and self.sources.get("sliding_window") == one.source})
         self.transformers = any(one.fields.get("transformers") for one in stated)
         inner = max((one for one in stated if one.fields.get("transformers")), key=lambda one: len(one.scope or ""), default=None)
         self.added = set() if inner is None else {name for name in inner.fields.get("added", ()) if name in self.values
