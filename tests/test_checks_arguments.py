@@ -964,3 +964,29 @@ def test_multicenter_sepsis_layers_called_without_the_mask_they_built(tmp_path):
     [hit] = check_bug(tmp_path, "multicenter_sepsis_attention_model_online_scores_see_future_and_padding",
                       "padding-ignored")[:1]
     assert "batch row 1: query 0 sees key 4" in hit["message"]
+
+
+@pytest.mark.parametrize("name", [
+    # stanfordnlp/stanza 766643aa (written blind, blind-ix, round 60): extract_bert_embeddings pads the batch and hands
+    # BertModel no attention_mask; caught before tuning
+    "stanza_bert_embedding_padded_batch_no_attention_mask",
+    # FGA-DIKU/BONSAI#164 (9e2de21; written blind, blind-jb, round 60): CorebehrtEncoder hands ModernBert
+    # `torch.ones_like(batch["concept"])`; caught before tuning
+    "corebehrt_encoder_attention_mask_all_ones_attends_padding",
+])
+def test_encoders_handed_no_padding_mask_over_padded_batches_are_flagged_and_their_fixes_are_not(tmp_path, name):
+    pytest.importorskip("transformers")
+    check_bug(tmp_path, name, "padding-ignored")
+
+
+def test_counts_on_against_a_loop():
+    """counts_on: a row counts on from a restart where some token after the first sits at 0 and the next two at 1 and 2
+    (a packed document); GraphCodeBERT's data-flow nodes at 0 between code at 2, 3, ... and pads at 1 do not."""
+    from maskcli.checks.arguments import counts_on
+
+    rng = np.random.default_rng(0)
+    rows = [np.array([2, 3, 4, 5, 0, 0, 0, 1, 1]), np.array([0, 1, 2, 3, 0, 1, 2, 0, 0])]
+    rows += [rng.integers(0, 4, size=9) for _ in range(200)]
+    positions = np.stack(rows)
+    loop = [any(row[i] == 0 and row[i + 1] == 1 and row[i + 2] == 2 for i in range(1, len(row) - 2)) for row in rows]
+    assert counts_on(positions)[:, 0].tolist() == loop and loop[:2] == [False, True]

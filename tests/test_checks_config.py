@@ -683,3 +683,27 @@ def test_a_window_field_a_prefix_names_the_attentions_is_read_and_a_convolutions
     assert "sliding_window_size" not in fields_of({"vision_sliding_window_size": 16, "n_heads": 4})
     assert fields_of({"sliding_window": 8, "decoder_convs_strides": [1, 2, 2], "n_heads": 4})["other_layers"] is False
     assert fields_of({"sliding_window": 8, "stride": 2, "n_heads": 4})["other_layers"] is True
+
+
+def test_transformer_xl_same_length_mask_one_key_past_mem_len_is_flagged_and_its_fix_is_not(tmp_path):
+    """huggingface/transformers#15665 (written blind, blind-jd, round 60): TF Transformer-XL's `same_length` mask never
+    read mem_len, so each query saw mem_len + 1 keys. same_length=True states the window: every query sees mem_len keys,
+    itself the last (transformers' PyTorch model: triu(1 + mlen) + tril(-(qlen - (klen - mem_len))))."""
+    hit = check_bug(tmp_path, "transformers_tf_transfo_xl_same_length_mask_ignores_mem_len", "window-off-by-one")[0]
+    assert "sees window(9), one key wider than its config's window(8) (mem_len=8" in hit["message"].replace("\n", " ")
+
+
+def test_a_transformer_xl_same_length_mask_is_a_window_of_mem_len_against_a_loop():
+    """PyTorch Transformer-XL's dec_attn_mask (True = hidden), built as transformers built it, is window(mem_len) at
+    every memory length: a loop over the query's absolute position and the keys it keeps counts mem_len or fewer, and
+    the last kept key is its own."""
+    for qlen, mlen, mem_len in ((6, 8, 8), (4, 0, 8), (5, 3, 4), (3, 9, 4)):
+        klen = qlen + mlen
+        ones = torch.ones(qlen, klen, dtype=torch.bool)
+        mask_len = klen - mem_len
+        shift = qlen - mask_len if mask_len > 0 else qlen
+        hidden = torch.triu(ones, 1 + mlen) | torch.tril(ones, -shift)
+        for i in range(qlen):
+            kept = [k for k in range(klen) if not hidden[i, k]]
+            position = mlen + i
+            assert kept == [k for k in range(klen) if position - mem_len < k <= position]

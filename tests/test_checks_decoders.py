@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from checkbugs import check_bug, first, traced
 
 HELD = Path(__file__).parent / "data" / "held"
@@ -69,3 +71,14 @@ def test_bert_lm_head_layers_that_say_is_decoder(tmp_path):
     assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q and bool(real[b][q] and real[b][k]))
     status, found, report = traced(tmp_path, "bert_lm_head_layers_is_decoder_padding_only_mask", True, folder)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_decoders_text_config_held_by_no_module_is_not_its_encoders(tmp_path):
+    """Pix2Struct's recipe (quiet_blind round 60: its vision encoder was told decoder-sees-later) written another way: a
+    `BertConfig(is_decoder=True)` at the top of the program, held by no module, beside a BertModel encoder built from a
+    config of its own (no is_decoder), run bidirectionally over a padded batch (the program checks each row against
+    itself alone). The model call's own config says it is no decoder: the program's other config is not its."""
+    pytest.importorskip("transformers")
+    status, found, report = traced(tmp_path, "text_decoder_config_beside_a_bidirectional_encoder_quiet", False, HELD)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report

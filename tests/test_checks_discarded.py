@@ -163,3 +163,9 @@ def test_sdpa_key_padding_fill_discarded_first_cell(tmp_path):
     assert tuple(found[0]["cell"]) == first((2, 5, 5), bad)
     count = sum(bad(b, q, k) for b in range(2) for q in range(5) for k in range(5))
     assert f"({count} such cells" in found[0]["message"].replace("\n", " ")
+
+
+def test_di_engine_entity_transformer_fill_result_discarded_is_flagged_and_its_fix_is_not(tmp_path):
+    # opendilab/DI-engine#333 (dc064896; written blind, blind-iw, round 60; caught before tuning): `score.masked_fill(~mask,
+    # -1e9)` without the underscore, its result dropped: every entity attends the padded slots of its sample
+    check_bug(tmp_path, "di_engine_entity_transformer_mask_fill_result_discarded", "fill-discarded")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkbugs import check_bug
+from checkbugs import check_bug, traced
 from maskcli.checks.context import Top
 from maskcli.checks.emptytrained import _counted
 
@@ -46,3 +46,12 @@ def test_targets_are_laid_over_the_queries_as_a_loop_reads_them():
             for q in range(q_len):
                 assert laid[b, q] == (q < width and counted[b * width + q])
     assert _counted(Top("m", loss_counted=(np.ones(5, bool),)), rows, q_len) is None
+
+
+def test_a_per_token_loss_weighed_after_it_returns_by_an_unnamed_mask_counts_nothing_known(tmp_path):
+    """The same left-padded LM, its per-token loss (`reduction="none"`) weighed inline by each position's attention
+    mask: the pad rows' predictions count for nothing (the program checks its loss against the rows run alone), so the
+    empty rows are not trained on. Read against the loss of the program above, which counts them."""
+    status, found, report = traced(tmp_path, "left_padded_lm_per_token_loss_weighed_inline_quiet", False, EMPTY)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report

@@ -76,3 +76,26 @@ def test_random_masks_against_the_loop():
             cells |= np.eye(length, dtype=bool)[None]
             cells[:, :, int(rng.integers(0, length))] = rng.random() < 0.5
         assert (against(cells) == _loop(cells)).all()
+
+
+def test_a_graph_guided_mask_whose_nodes_see_one_another_is_no_padding():
+    """GraphCodeBERT's data-flow mask (quiet_blind round 60), built as its run.py builds it: code tokens see each other,
+    the special tokens see every real token, each data-flow node sees its code span and the nodes it is linked to (not
+    itself), each code span sees its node; pads see nothing. The nodes, hidden from themselves, see one another: no
+    padding, and the special token that sees them all is no row left unmasked. A CLS row left all ones over a padded set
+    whose pads see nothing is still said."""
+    code, nodes, total = 6, 3, 11  # 6 code tokens (0 and 5 special), 3 nodes, 2 pads
+    cells = np.zeros((1, total, total), bool)
+    cells[0, :code, :code] = True
+    cells[0, [0, 5], :code + nodes] = True
+    for node, (a, b) in enumerate([(1, 2), (2, 4), (4, 5)]):
+        cells[0, code + node, a:b] = True
+        cells[0, a:b, code + node] = True
+    for node, linked in enumerate([[1], [0, 2], [1]]):
+        for other in linked:
+            cells[0, code + node, code + other] = True
+    assert not against(cells).any() and not _loop(cells).any()
+    valid = np.array([[1, 1, 1, 0, 0]], bool)
+    with_cls = np.ones((1, 6, 6), bool)
+    with_cls[:, 1:, 1:] = valid[:, :, None] & valid[:, None, :]
+    assert against(with_cls).any()

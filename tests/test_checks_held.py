@@ -1098,3 +1098,83 @@ def test_installed_packages_are_no_programs_frames_in_a_venv_too():
     from transformers.models.marian import modeling_marian
 
     assert names(modeling_marian.MarianEncoder.forward.__code__) is None
+
+
+def test_a_batchs_lengths_held_outside_a_loop_over_each_row_alone_are_not_its_calls():
+    """Written otherwise (Sockeye's beam search checked source by source, quiet_blind round 60): main() holds the padded
+    batch's `lengths` (4,) and runs each source alone through a function holding that source's `src_lengths` (1,), which
+    the model's encoder takes as `valid_length` (a name read as nothing of a 1-D tensor: the same tensor under a name
+    that says nothing may say something under an outer one) and folds with its heads into the batch axis (4 rows, as
+    many as the outer lengths). Each row alone sees every one of its keys, and so does the padded batch's call within
+    its lengths: no padding-unused. The nearer function's lengths over fewer rows say the outer ones are another
+    batch's."""
+    import torch
+    from torch import nn
+
+    import maskcli
+
+    heads, dim = 4, 8
+
+    class Encoder(nn.Module):
+        def forward(self, x, valid_length):
+            b, n, _ = x.shape
+            q = k = v = x.view(b, n, heads, dim // heads).transpose(1, 2).reshape(b * heads, n, dim // heads)
+            keep = (torch.arange(n)[None, :] < valid_length.repeat_interleave(heads)[:, None])[:, None, :]
+            return (q @ k.transpose(1, 2)).masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = Encoder()
+
+        def encode(self, src, source_length):
+            return self.encoder(src, source_length)
+
+    def alone(model, src, src_lengths):
+        return model.encode(src, src_lengths)
+
+    def main():
+        model, lengths = Model(), torch.tensor([5, 3, 4, 2])
+        batch = torch.randn(4, 5, dim) * (torch.arange(5)[None, :, None] < lengths[:, None, None])
+        model.encode(batch, lengths)
+        for i in range(4):
+            alone(model, batch[i:i + 1, :int(lengths[i])], lengths[i:i + 1].clone())
+
+    torch.manual_seed(0)
+    with maskcli.trace() as t, torch.no_grad():
+        main()
+    held = [[h["rows"].tolist() for h in call.details.get("held_padding") or ()] for call in t.calls]
+    assert held == [[[5, 3, 4, 2]], [[5]], [[3]], [[4]], [[2]]]  # (each call's own lengths, none another batch's)
+    assert [f.code for group in t.groups() for f in group.findings if f.code == "padding-unused"] == []
+
+
+def _graph_attention(drop: bool) -> list:
+    """Written otherwise (GraphCodeBERT's data-flow mask, quiet_blind round 60): a (1, 6, 6) bool `attention_mask`
+    handed down, tokens 0-1 code (seeing each other and themselves), 2-3 data-flow nodes that see the code but not
+    themselves, 4-5 pads that see nothing; the kernel adds (1 - mask) * -10000 to the scores, so the pads' rows, hidden
+    whole, take softmax weights over every key (BERT's extended mask). `drop`: the kernel masks the causal triangle
+    instead (the mask dropped). The held-mask-ignored findings."""
+    import torch
+
+    import maskcli
+
+    def attend(x, attention_mask):
+        scores = x @ x.transpose(1, 2)
+        keep = torch.ones(6, 6).tril()[None] if drop else attention_mask.float()
+        scores = scores + (1.0 - keep) * -10000.0
+        return scores.softmax(-1) @ x
+
+    mask = torch.zeros(1, 6, 6, dtype=torch.bool)
+    mask[0, :2, :2] = True
+    mask[0, 2:4, :2] = True
+    torch.manual_seed(0)
+    with maskcli.trace() as t, torch.no_grad():
+        attend(torch.randn(1, 6, 4), mask)
+    return [f.code for group in t.groups() for f in group.findings if f.code == "held-mask-ignored"]
+
+
+def test_a_held_mask_whose_padding_rows_are_hidden_whole_is_kept_to_by_an_additive_fill():
+    """The pads' rows, hidden whole by the held mask, are the kernel's to fill (uniform weights under a finite additive
+    mask): quiet, though most tokens (nodes and pads) are hidden from themselves. The same mask dropped is said."""
+    assert _graph_attention(drop=False) == []
+    assert _graph_attention(drop=True) == ["held-mask-ignored"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import maskcli
 from checkbugs import check_bug, first
@@ -212,3 +213,33 @@ def test_a_training_batch_in_an_outer_frame_is_not_held_against_a_generate_loops
     quiet = Path(__file__).parent / "data" / "quiet_blind"
     status, found, report = traced(tmp_path, "quiet_llmfoundry_mpt_prefix_lm_full_alibi_generate", False, quiet)
     assert status == 0 and [f for f in found if f["code"] == "pad-ids-unmasked"] == [], report
+
+
+def test_a_loss_mask_named_plain_mask_that_counts_the_stop_padding_is_no_padding_statement():
+    """Written otherwise (trajectory-transformer's GPT, quiet_blind round 60): `forward(idx, targets, mask)` where `mask`
+    is the loss's, 1 on the stop tokens that pad each row (their targets are trained), a causal softmax over right
+    padding: only the padded queries see the pads, and the plain `mask` says nothing of attention. Named
+    attention_mask, the same cells are still said (the gpt2 collator above)."""
+    class CausalLM(nn.Module):
+        def __init__(self, vocab=20, dim=8):
+            super().__init__()
+            self.embed, self.qkv, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
+
+        def forward(self, idx, targets=None, mask=None):
+            x = self.embed(idx)
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            n = idx.shape[1]
+            scores = (q @ k.transpose(1, 2)).masked_fill(torch.ones(n, n).tril() == 0, float("-inf"))
+            logits = self.head(scores.softmax(-1) @ v)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+            return (loss * mask.reshape(-1)).mean()
+
+    stop = 7
+    rows = [[3, 5, 9, 2, 4, 6], [8, 1, 3, stop, stop, stop], [2, 9, 5, 4, stop, stop]]
+    idx = torch.tensor(rows)
+    targets = torch.cat([idx[:, 1:], torch.full((3, 1), stop)], dim=1)
+    mask = torch.ones_like(idx, dtype=torch.float)  # (the stop targets trained: the loss's own mask)
+    torch.manual_seed(0)
+    with maskcli.trace() as t, torch.no_grad():
+        CausalLM()(idx, targets=targets, mask=mask)
+    assert [f.code for group in t.groups() for f in group.findings if f.code == "pad-ids-unmasked"] == []

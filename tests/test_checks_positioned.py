@@ -176,6 +176,19 @@ def test_within_a_call_a_sliding_window_and_packed_documents_are_quiet():
     assert _within(docs[None], np.ones((1, 8), dtype=bool), restart[None]) is None
 
 
+def test_within_a_call_an_unpadded_row_kept_at_its_padded_positions_is_quiet():
+    """Recurrent Memory Transformer's check (quiet_blind round 60): a segment [memory; real tokens; memory] with its pads
+    taken out, every token kept at the position it had in the padded batch, causal over what is left. Adjacent queries
+    one key apart sit several positions apart where pads were taken out (3 memory slots, 3 pads, 4 tokens): the places
+    of tokens no longer there. A draft tree whose node sits at its index is still said (its parent is no neighbour)."""
+    positions = np.array([[0, 1, 2, 6, 7, 8, 9, 13, 14, 15]])
+    n = positions.shape[1]
+    causal = np.tri(n, dtype=bool)[None]
+    assert _within(causal, np.ones((1, n), dtype=bool), positions) is None
+    parents, history = [-1, 0, 1, 0, 3, 3], 4
+    assert _within(_tree_cells(parents, history), np.ones((1, 6), dtype=bool), history + np.arange(6)[None]) is not None
+
+
 def test_specforge_eagle3_ttt_steps_rotated_at_step_zero_positions(tmp_path):
     """SpecForge#424 (written blind, batch blind-fp): EAGLE-3's sdpa LlamaAttention rotated every training-time-test
     step with position_ids where step lck stands for tokens lck further on (the flex path and mrope added lck). The

@@ -95,3 +95,30 @@ def test_a_mask_registered_for_the_init_resolution_run_on_a_larger_map(tmp_path)
     [hit] = check_bug(tmp_path, "registered_mask_run_at_larger_resolution", "swin-mask-regions", SWIN)
     assert f"cut into {len(reference(16, 16, 4, 2))} windows per image" in hit["message"], hit
     assert f"has {len(reference(8, 8, 4, 2))} windows" in hit["message"], hit
+
+
+def test_keras_hub_regions_cut_at_half_the_map_are_flagged_and_its_fix_rolled_then_padded_is_not(tmp_path):
+    """keras-team/keras-hub#2298 (d7e3f89e1; written blind, blind-iz, round 60: caught before tuning, and its fix then
+    a false alarm): the regions cut at H // 2 instead of H - window_size. The fix rolls the 6 x 6 map of its second
+    stage and pads the labels to 8 x 8 with 0 as window_partition pads the tokens: read against the stated resolution."""
+    check_bug(tmp_path, "keras_hub_swin_shifted_window_mask_regions_split_at_half_height", "swin-mask-regions")
+
+
+def test_a_map_rolled_then_padded_to_whole_windows_against_a_loop():
+    """expected(..., real=(H, W)): the regions cut on the real H x W map (rows and columns at H - window and H - shift),
+    the padding to whole windows labelled 0; a loop over the windows' tokens compares their labels."""
+    for height, width, window, shift in ((6, 6, 4, 2), (5, 7, 4, 2), (9, 6, 3, 1)):
+        padded_h, padded_w = -(-height // window) * window, -(-width // window) * window
+        label = {}
+        for i in range(padded_h):
+            for j in range(padded_w):
+                if i >= height or j >= width:
+                    label[i, j] = 0
+                else:
+                    row = 0 if i < height - window else 1 if i < height - shift else 2
+                    column = 0 if j < width - window else 1 if j < width - shift else 2
+                    label[i, j] = 3 * row + column
+        tokens = [[(top + a, left + b) for a in range(window) for b in range(window)]
+                  for top in range(0, padded_h, window) for left in range(0, padded_w, window)]
+        loop = np.array([[[label[p] == label[q] for q in win] for p in win] for win in tokens])
+        assert (expected(padded_h, padded_w, window, shift, real=(height, width)) == loop).all()

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import pytest
 
+import maskcli
 from checkbugs import check_bug, first
 from maskcli.checks.tokens import _run_at_edge
 
@@ -628,3 +629,40 @@ def test_axolotl_pretraining_labels_copy_the_padded_input_ids(tmp_path):
     [hit, *_] = check_bug(tmp_path, "axolotl_encode_pretraining_labels_copy_padded_input_ids", "trained-token-masked")
     assert "a token the program's loss trains on" in hit["message"]
     assert "attention_mask of LlamaForCausalLM marks padding inside the row" in hit["message"]
+
+
+def _bidirectional_lm(forward_mask, backward_mask) -> list:
+    """Written otherwise (AllenNLP's bidirectional LM transformer, quiet_blind round 60): two streams over the same ids,
+    the forward one trained on the next token, the backward one on the previous token (two cross-entropy losses), each
+    masked by its own (L, L) keep mask. The codes and cells found."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    embed, proj, head = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 24), torch.nn.Linear(8, 20)
+    ids = torch.tensor([[3, 5, 9, 2, 14, 7], [4, 11, 6, 8, 2, 13]])
+
+    def stream(x, keep):
+        q, k, v = proj(x).chunk(3, dim=-1)
+        return ((q @ k.transpose(1, 2)).masked_fill(~keep, float("-inf")).softmax(-1) @ v)
+
+    class BiLM(torch.nn.Module):
+        def forward(self, tokens):
+            x = embed(tokens)
+            fwd, bwd = stream(x, forward_mask), stream(x, backward_mask)
+            loss = F.cross_entropy(head(fwd[:, :-1]).transpose(1, 2), tokens[:, 1:])
+            return loss + F.cross_entropy(head(bwd[:, 1:]).transpose(1, 2), tokens[:, :-1])
+
+    with maskcli.trace() as t, torch.no_grad():
+        BiLM()(ids)
+    return [(f.code, tuple(f.cell)) for group in t.groups() for f in group.findings if f.code == "sees-its-target"]
+
+
+def test_a_bidirectional_lm_whose_backward_stream_sees_the_next_token_is_quiet_and_one_that_sees_both_is_not():
+    """The backward stream (query i sees keys i and after) sees the token after it, the forward stream's target, but
+    never its own (the token before it): quiet. With both streams unmasked every query sees both of its targets: the
+    first is query 1 (query 0 has no previous token), key 2."""
+    tril = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert _bidirectional_lm(tril, tril.T) == []
+    full = torch.ones(6, 6, dtype=torch.bool)
+    found = _bidirectional_lm(full, full)
+    assert found and all(cell == (0, 1, 2) for _, cell in found)

@@ -394,3 +394,10 @@ def test_cu_seqlens_of_another_mask_are_not_the_unpadding():
     assert given(Top("m", arguments={"cu_seqlens": np.array([0, 3, 5]), "attention_mask": mask}))[0][1].tolist() == \
         [[0, 0, 0, 1, 1]]
     assert given(Top("m", arguments={"cu_seqlens": np.array([0, 2, 5]), "attention_mask": mask})) == []
+
+
+def test_keras_nlp_merged_mask_with_an_extra_axis_mixing_batch_into_heads_is_flagged_and_its_fix_is_not(tmp_path):
+    # keras-team/keras-hub#783 (fixed by #790, 600cbf1; written blind, blind-iz, round 60; caught before tuning): a
+    # (B, T) padding mask given an extra axis beside a (B, T, T) attention mask broadcasts to (B, B, T, T), so with
+    # batch == heads head h of every row reads row h's documents and padding
+    check_bug(tmp_path, "keras_nlp_merge_padding_and_attention_mask_extra_axis_mixes_batch_into_heads", "varlen-leak")

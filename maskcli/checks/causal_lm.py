@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, first_cell, keep, queries
+from maskcli.checks.context import Run, cross, first_cell, keep, queries
 from maskcli.checks.intent import intent
 from maskcli.checks.real import TOKENS, by_row, resolve
 from maskcli.checks.registry import Rule
@@ -62,7 +62,8 @@ def _unmasked(run: Run) -> list:
     sites: dict = {}
     for call in run.unmasked:
         top = run.top(call)
-        if call.api == "softmax" and call.stored is not None and top is not None and "causal_lm" in top.arguments:
+        if call.api == "softmax" and call.stored is not None and top is not None and "causal_lm" in top.arguments \
+                and not cross(call):  # (a cross-attention masks nowhere on purpose: its keys are the encoder's)
             sites.setdefault(call.where, []).append(call)
     return list(sites.values())
 
