@@ -126,8 +126,8 @@ def padding(frames: list | None = None) -> list[dict] | None:
                 value = variables.get(name)
                 if issubclass(type(value), torch.Tensor) and id(value) not in seen:
                     read = _read(name, value, code)
-                    if read is not None:  # (one that says nothing here may under an outer name: Sockeye's `valid_length`)
-                        seen.add(id(value))
+                    if read is not None or not COLUMNS.search(name):  # (lengths read as nothing under a column name may
+                        seen.add(id(value))  # be under an outer one: Sockeye's `valid_length`; a mask's name claims it)
                     if read is not None and name in pairedids.PAIRS \
                             and pairedids.inner_other(name, value, variables, pairedids.between(frame)):
                         continue  # (a decoder mask of other tokens than those a function nearer the call holds)
