@@ -1178,3 +1178,15 @@ def test_a_held_mask_whose_padding_rows_are_hidden_whole_is_kept_to_by_an_additi
     mask): quiet, though most tokens (nodes and pads) are hidden from themselves. The same mask dropped is said."""
     assert _graph_attention(drop=False) == []
     assert _graph_attention(drop=True) == ["held-mask-ignored"]
+
+
+def test_a_prompts_padding_held_beside_decode_steps_that_attend_it_is_read_over_the_cache(tmp_path):
+    """Donut's batched DocVQA prompts (NielsRogge/Transformers-Tutorials#323, written blind, blind-ja, round 60: its
+    prompt mask held at the script's top level) written another way: generate() holds right-padded prompts'
+    attention_mask (6 keys) but masks causally only, so each decode step (7, 8, 9 keys) attends the pads between
+    the prompt and the generated tokens. The prompt's padding, as wide as the site's prefill, is the cache's first
+    keys, the generated ones real. The fix pads on the left and keeps the mask (its rows equal each prompt alone)."""
+    found = check_bug(tmp_path, "right_padded_prompts_decoded_over_their_pads", "padding-unused", folder=HELD)
+    # the short row (3 real tokens, pads at 3-5): its first decode step's query sees key 3 (a double loop over the keys)
+    assert tuple(found[0]["cell"]) == first((2, 1, 7), lambda b, q, k: b == 1 and 3 <= k < 6)
+    assert "of its prompt's 6 tokens, the first of these 7 keys" in found[0]["message"].replace("\n", " ")

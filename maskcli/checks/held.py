@@ -59,7 +59,8 @@ def readings(held: dict, rows: int, length: int, ids: tuple = ()) -> list[np.nda
         if found.ndim != 2 or found.shape[1] != length:
             return []
         real = found if held["kind"] == "keep" else ~found
-        if not _padding(real, right_only=held["name"] == "mask") and not _at_one_id(real, ids):
+        if not _padding(real[:, :held.get("over_cache", length)], right_only=held["name"] == "mask") \
+                and not _at_one_id(real, ids):  # (a prompt's padding laid over a cache: heldkeys.py, its prompt read)
             return []
         tables = [real]
     size = tables[0].shape[0]
@@ -135,10 +136,9 @@ def _tracks_keys(run: Run, call, held: dict) -> bool:
     decoder's self-attention over its growing cache), only if a padding of that name was as long as the keys there too.
     (A seq2seq generate holds the source's attention_mask all along: Marian's 7 source tokens meet the decoder's
     self-attention at its 7th target token by their number alone.)"""
-    site = run.sites().get(call.where) or [call]
-    first = site[0]
-    if first is call or first.shape[3] == call.shape[3]:
-        return True
+    first = (run.sites().get(call.where) or [call])[0]
+    if first is call or first.shape[3] == call.shape[3] or held.get("over_cache") == first.shape[3]:
+        return True  # (a prompt's padding laid over the cache: as wide as the site's first call, heldkeys.py)
     return any(h["name"] == held["name"] and _length(h) == first.shape[3] for h in first.details.get("held_padding") or ())
 
 
@@ -241,14 +241,14 @@ def held_padding(run: Run) -> list:
             continue
         held, bad = _told(picks)
         b, q, k = first_cell(seen_both_ways(picks, held, bad))
-        what = {"keep": "a padding mask (1 = real)", "pad": "a padding mask (True = padding)",
-                "lengths": "the batch's lengths",
+        what = {"keep": "a padding mask (1 = real)", "pad": "a padding mask (True = padding)", "lengths": "the batch's lengths",
                 "relative": "the batch's relative lengths (each row's share of the padded length)"}[held["kind"]]
         said = f"{held['name']} in {held['where']}"
         if held["kind"] in ("keep", "pad") and held["rows"].shape[-1] > k_len:  # (heldfold.py's chunks)
             what += f" of {held['rows'].shape[-1]} positions, folded into the batch in chunks of {k_len},"
-        elif held["kind"] in ("keep", "pad") and held["rows"].shape[-1] < k_len:  # (heldextra.py's)
-            what += f" of {held['rows'].shape[-1]} tokens, the last or the first"
+        elif held["kind"] in ("keep", "pad") and held["rows"].shape[-1] < k_len or held.get("over_cache"):  # (heldextra's;
+            what += f" of its prompt's {held['over_cache']} tokens, the first" if held.get("over_cache") else \
+                f" of {held['rows'].shape[-1]} tokens, the last or the first"  # a prompt's over its cache: heldkeys.py)
         at = own if own is not None else placed
         query = f"query {q}" if at is None else f"query {int(at[q])}"
         done[key] = Finding("padding-unused", (

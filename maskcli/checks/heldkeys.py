@@ -35,6 +35,11 @@ def keys_of(run: Run, call, unmasked: list, readings) -> list | None:
     if any(call is one for one in unmasked):
         helds = [_as_keys(h, ids, k_len, readings) if h["kind"] == "cells" else h for h in helds]
         helds = [h for h in helds if h is not None]
+    if q_len < k_len:  # (a step behind its cache: a prompt's padding held, as wide as the site's prefill, is its first
+        # keys'; one a script's top level holds only where it is so: a batch's mask tokenized beside generate's call)
+        tops = [read for read in map(lambda h: _over_cache(run, call, h), call.details.get("held_top") or ())
+                if read.get("over_cache")]
+        helds = [_over_cache(run, call, h) for h in helds] + tops
     if run.cross and not cross(call) and q_len >= k_len:
         # (the answer is the same for every call of one block, model call and shape over the same held arrays: once a run)
         known = run.__dict__.setdefault("_memory_helds", {})
@@ -64,3 +69,18 @@ def _as_keys(held: dict, ids: tuple, length: int, readings) -> dict | None:
         _KEYS.pop(next(iter(_KEYS)))
     _KEYS[id(held["rows"])] = (held, read)  # (the held dict kept: its rows' id stays its own while here)
     return read
+
+
+def _over_cache(run: Run, call, held: dict) -> dict:
+    """`held`, a (B, Lp) padding mask of a prompt, laid over the first Lp keys of a step behind its cache (the keys after
+    them the tokens generated since, real), where the call's site first ran a prefill of exactly Lp queries and keys
+    over as many rows (Donut's batched prompts right-padded, the decoder's mask rebuilt all ones: each generated token
+    attends the prompt's pads); else `held` as it is."""
+    table, rows, k_len = held["rows"], call.shape[0], call.shape[3]
+    if held["kind"] not in ("keep", "pad") or table.ndim != 2 or table.shape[0] != rows or not 1 < table.shape[1] < k_len:
+        return held
+    first = next((one for one in run.sites().get(call.where, ()) if one.index < call.index), None)
+    if first is None or first.shape[0] != rows or first.shape[2] != first.shape[3] or first.shape[3] != table.shape[1]:
+        return held
+    after = np.full((rows, k_len - table.shape[1]), held["kind"] == "keep")
+    return {**held, "rows": np.concatenate([table, after], axis=1), "over_cache": table.shape[1]}
