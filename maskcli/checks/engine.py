@@ -5,6 +5,7 @@ from __future__ import annotations
 from maskcli.checks.context import Run, cross, masked_somewhere, queries
 from maskcli.checks import config
 from maskcli.checks.arguments import over_stated_padding
+from maskcli.checks.backward import backward_streams
 from maskcli.checks.registry import given, severity
 from maskcli.checks.lookahead import within
 from maskcli.checks.spans import explained
@@ -129,7 +130,8 @@ def apply(groups: list, run: Run) -> list:
             # is where they sit (cache.py reads those slots)
         group.findings = [f for f in group.findings if f.code not in gone]
     try:
-        judged = explained(run)  # later keys the model call's token types account for (spans.py): not a causal mask's slip
+        judged = explained(run) | backward_streams(run)  # later keys the model call's token types account for
+        # (spans.py), or a backward LM's stream's own context (backward.py): not a causal mask's slip
     except Exception as error:
         if not program_raised(error):
             raise
