@@ -35,12 +35,13 @@ def watched(trace) -> dict:
         index = args[0] if args else kwargs.get("input")
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
         if isinstance(index, torch.Tensor) and isinstance(weight, torch.Tensor) and index.dim() in (1, 2) \
-                and not index.is_floating_point() and index.numel() <= MOST and index.device.type != "meta":
+                and not index.is_floating_point() and 0 < index.numel() <= MOST and index.device.type != "meta":
+            # (an empty lookup reads no row: `special(toks[special_mask])` where no token is special, WhisperSpeech's)
             held = trace._local.__dict__.setdefault("tables", {})
             held[id(weight)] = index.detach().cpu().numpy().astype(np.int64).reshape(-1, index.shape[-1])
         return None
 
-    embedding.api = "embedding"
+    embedding.api, embedding.records = "embedding", False
     return {**losses(trace), F.embedding: embedding}
 
 
