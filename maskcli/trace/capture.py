@@ -362,8 +362,9 @@ class Trace(Outer, Follow):
                 interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys() or self.scores.sink(readers.softmax_input(args, kwargs)))
             key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
         except (Exception, SystemExit) as error:  # a call maskcli cannot read is still a call: say so and carry on
-            api = getattr(reader, "api", "?")
-            self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self._calls), where=where, step=self.sites.step(site),
+            if not getattr(reader, "records", True):  # (a reader of what the program states records none: its tables)
+                return
+            self._append(Call(getattr(reader, "api", "?"), (0, 0, 0, 0), (), (), (), "", "", index=len(self._calls), where=where, step=self.sites.step(site),
                               details={"error": f"{type(error).__name__}: {_said(error)}"}, trace=self))
             return
         finally:

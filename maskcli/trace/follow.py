@@ -231,9 +231,8 @@ class Follow:
         try:
             self._capture(reader, args, kwargs)
         except (Exception, SystemExit) as error:  # noqa: BLE001 - a frame held what maskcli cannot read: still a call, not read
-            if len(self._calls) == made and getattr(reader, "records", True):  # (a reader of what the program states,
-                # its loss or its tables, records no call even where it fails: trace/losses.py, trace/tables.py)
-                self._append(readers.Call(getattr(reader, "api", "?"), (0, 0, 0, 0), (), (), (), "", "", index=made,
+            if len(self._calls) == made and getattr(reader, "records", True):  # (a reader of what the program states
+                self._append(readers.Call(  # records none even where it fails: trace/losses.py, trace/tables.py)getattr(reader, "api", "?"), (0, 0, 0, 0), (), (), (), "", "", index=made,
                                           where="?", step=0, details={"error": f"{type(error).__name__}: {said(error)}"},
                                           trace=self))
 
