@@ -205,3 +205,44 @@ def test_keys_appended_after_the_whole_cache_are_no_unwritten_slots(tmp_path, se
         # step's positions 0..3 (query 0 sees slots 0..11 at step 0)
         expected = next((0, q, j) for q in range(4) for j in range(12) if j >= 4 and j >= q)
         assert flagged and tuple(flagged[0]["cell"]) == expected, report
+
+
+def _static_decode(skip_prompt: bool, left_pad: int = 0) -> list:
+    """Written otherwise (WhisperSpeech's S2A generate, collabora/WhisperSpeech 20bbb6c4, blind-kf round 61): a static
+    K/V buffer of 16 slots, a 5-token prompt prefilled into slots 0-4 (where `skip_prompt`, only its first token is
+    written, as WhisperSpeech's prefill ran the start column alone), then 3 decode steps each writing its slot and
+    attending slots 0..its own through SDPA. `left_pad` zero tokens start row 1 (bias-free projections of a zero
+    embedding: zero keys at the row's start, masked). The unwritten-slot findings' cells."""
+    import torch
+    import torch.nn.functional as F
+
+    import maskcli
+
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(8, 24, bias=False)
+    prompt = torch.randn(2, 5, 8)
+    prompt[1, :left_pad] = 0
+    k_cache, v_cache = torch.zeros(2, 1, 16, 8), torch.zeros(2, 1, 16, 8)
+    valid = torch.ones(2, 16, dtype=torch.bool)
+    valid[1, :left_pad] = False
+    with maskcli.trace() as t, torch.no_grad():
+        q, k, v = proj(prompt).chunk(3, dim=-1)
+        upto = 1 if skip_prompt else 5
+        k_cache[:, 0, :upto], v_cache[:, 0, :upto] = k[:, :upto], v[:, :upto]
+        x = prompt[:, -1:]
+        for step in range(3):
+            at = 5 + step
+            q, k, v = proj(x).chunk(3, dim=-1)
+            k_cache[:, 0, at:at + 1], v_cache[:, 0, at:at + 1] = k, v
+            keep = (torch.arange(16) <= at)[None, None, None, :] & valid[:, None, None, :]
+            x = F.scaled_dot_product_attention(q[:, None], k_cache, v_cache, attn_mask=keep)[:, 0]
+    return [tuple(f.cell) for group in t.groups() for f in group.findings if f.code == "unwritten-slot"]
+
+
+def test_a_decode_step_attending_slots_its_prefill_never_wrote():
+    """Slots 1-4 hold nothing (zero K and V) after slot 0 does: the first decode step whose write is read (step 1, slot
+    6; the site's first call has nothing to compare with) sees slot 1 first (row 0, its one query). Quiet where the
+    prompt was written whole, and on a row's leading zero keys (left padding, masked)."""
+    assert _static_decode(skip_prompt=True)[0] == (0, 0, 1)
+    assert _static_decode(skip_prompt=False) == []
+    assert _static_decode(skip_prompt=False, left_pad=2) == []

@@ -379,6 +379,9 @@ _NO_CALL = {"slot_attention_softmax_over_slots_no_mask", "allennlp_bidaf_masked_
             # Tacotron 2's location-sensitive attention scores each text position by v·tanh(Wq + Wk + loc), one query a
             # decoder step: additive energies, no product of queries and keys for trace to know as scores
             "quiet_tacotron2_location_attention_padded_memory",
+            # LMDeploy's paged prefill kernel ported as its online softmax over key tiles (exp, a running max and sum: no
+            # softmax call), its reference a softmax of one query row at a time (a vector, no query-by-key matrix)
+            "quiet_lmdeploy_paged_prefill_history_window",
             # Point Transformer's vector attention: an MLP of q - k per gathered neighbour, a softmax over the k
             # neighbours of each channel (b, i, j, d), no product of queries and keys
             "quiet_point_transformer_padded_point_sets_knn_vector_attention",

@@ -23,8 +23,9 @@ def test_the_slots_each_row_wrote_since_the_last_call_over_the_same_buffer():
     slotwrites._SEEN.clear()
     k_buf, v_buf = torch.zeros(2, 2, 12, 4), torch.zeros(2, 2, 12, 4)
     assert _step(k_buf, v_buf, [0, 0], 5) == {}  # the buffer's first call: nothing to compare with
-    assert _step(k_buf, v_buf, [5, 7], 1) == {"written": [[5, 6], [7, 8]]}
-    assert _step(k_buf, v_buf, [6, 8], 2) == {"written": [[6, 8], [8, 10]]}
+    # (row 1 wrote slot 7 over a prompt of 5: slots 5-6 hold nothing after slots that hold keys, its "gaps")
+    assert _step(k_buf, v_buf, [5, 7], 1) == {"written": [[5, 6], [7, 8]], "gaps": [[], [5, 6]]}
+    assert _step(k_buf, v_buf, [6, 8], 2) == {"written": [[6, 8], [8, 10]], "gaps": [[], [5, 6]]}
     assert _step(k_buf, v_buf, [8, 3], 1) == {"written": [[8, 9], [3, 4]]}
     assert slotwrites.written(1, k_buf, v_buf, tuple(k_buf.shape)) == {}  # nothing written: no statement
     k_buf[0, :, 9], k_buf[0, :, 11] = 1.0, 2.0  # two slots apart for one query: not its own

@@ -47,7 +47,37 @@ def _written(call, top) -> tuple[np.ndarray, str] | None:
 
 
 def unwritten(run: Run) -> list:
-    return _unwritten(run) + past_written(run)
+    found = _unwritten(run) + past_written(run)
+    said = {call.where for call, _ in found}  # (a site told of slots past its own is not told of gaps besides)
+    return found + [(call, finding) for call, finding in gaps_seen(run) if call.where not in said]
+
+
+def gaps_seen(run: Run) -> list:
+    """(call, Finding) for a step over a cache buffer whose real queries see slots before the run it wrote that hold
+    nothing, after a slot that holds a key (trace/slotwrites.py's "gaps": K's and V's cells 0 there; collabora/
+    WhisperSpeech 20bbb6c4: the prompt's columns never prefilled, every later step attending their empty slots)."""
+    found, done = [], set()
+    for call in run.calls:
+        gaps, top = call.details.get("gaps"), run.top(call)
+        rows = call.shape[0]
+        if not gaps or len(gaps) != rows or call.mask in done or (cells := keep(call)) is None:
+            continue
+        real = resolve(call, top, by_row(cells, rows)).queries if top is not None else np.ones((rows, call.shape[2]), bool)
+        hole = np.zeros((rows, call.shape[3]), bool)
+        for b, slots in enumerate(gaps):
+            hole[b, slots] = True
+        bad = by_row(cells, rows) & real[:, None, :, None] & hole[:, None, None, :]
+        if bad.any():
+            done.add(call.mask)
+            b, h, q, k = first_cell(bad)
+            count = int(bad.any(axis=(1, 2)).sum())
+            found.append((call, Finding("unwritten-slot", (
+                f"batch row {b}: query {q} sees cache slot {k}, which holds no key (its K and V are zero) though an "
+                f"earlier slot does and this step wrote slot {call.details['written'][b][0]}: {count} such slot"
+                f"{'s' if count > 1 else ''} in all (a prefill that skipped them, its keys never written?)"),
+                expected=f"batch row {b}: only slots the cache holds", source="the cache buffer's slots, read at the call",
+                cell=(b, q, k))))
+    return found
 
 
 def _unwritten(run: Run) -> list:

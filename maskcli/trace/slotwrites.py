@@ -56,7 +56,19 @@ def written(q_len: int, k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -> dic
         if at.size != q_len or at[-1] - at[0] != q_len - 1:
             return {}  # (a row that wrote no slot, or other slots than its queries: nothing stated)
         runs.append([int(at[0]), int(at[-1]) + 1])
-    return {"written": runs}
+    return {"written": runs, **_gaps(sums, runs)}
+
+
+def _gaps(sums: np.ndarray, runs: list) -> dict:
+    """{"gaps": per row the slots before its written run that hold nothing (K's and V's cells 0) after one that holds a
+    key} where any row has one: slots a prefill skipped (WhisperSpeech's prompt never written into its cache); a row's
+    leading zeros (its left padding under bias-free projections) are no gap."""
+    zero = (sums == 0).all(axis=0)  # (B, S)
+    gaps = []
+    for row, (start, _) in zip(zero, runs):
+        held = np.flatnonzero(~row[:start])
+        gaps.append([int(j) for j in np.flatnonzero(row[:start]) if held.size and j > held[0]])
+    return {"gaps": gaps} if any(gaps) else {}
 
 
 def forget() -> None:
