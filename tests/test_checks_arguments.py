@@ -990,3 +990,15 @@ def test_counts_on_against_a_loop():
     positions = np.stack(rows)
     loop = [any(row[i] == 0 and row[i + 1] == 1 and row[i + 2] == 2 for i in range(1, len(row) - 2)) for row in rows]
     assert counts_on(positions)[:, 0].tolist() == loop and loop[:2] == [False, True]
+
+
+@pytest.mark.parametrize("name", [
+    # huggingface/optimum-habana#623 (d1e66b9aa; written blind, blind-kh, round 61; caught before tuning): the fused
+    # SDPA prefill handed no mask and is_causal=True over a left-padded batch
+    "optimum_habana_llama_fused_sdpa_prefill_padded_batch",
+    # huggingface/optimum-habana#1556 (90c9cbda5): GaudiGemmaModel built its 4-D mask only when handed one; lm_eval's
+    # adapter hands none, so padded requests attend both ways and their pads
+    "optimum_habana_gemma_lm_eval_no_attention_mask_no_causal",
+])
+def test_optimum_habana_paths_that_drop_the_padding_are_flagged_and_their_fixes_are_not(tmp_path, name):
+    check_bug(tmp_path, name, "padding-ignored")

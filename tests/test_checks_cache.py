@@ -246,3 +246,10 @@ def test_a_decode_step_attending_slots_its_prefill_never_wrote():
     assert _static_decode(skip_prompt=True)[0] == (0, 0, 1)
     assert _static_decode(skip_prompt=False) == []
     assert _static_decode(skip_prompt=False, left_pad=2) == []
+
+
+def test_whisperspeech_s2a_prompt_never_prefilled_is_flagged_and_its_fix_is_not(tmp_path):
+    # collabora/WhisperSpeech 20bbb6c4 (written blind, blind-kf, round 61: missed before tuning): the prompted S2A
+    # generate prefilled the start column alone, so every decode step attends the prompt's empty cache slots
+    hit = check_bug(tmp_path, "whisperspeech_s2a_prompt_never_prefilled_into_kv_cache", "unwritten-slot")[0]
+    assert "sees cache slot 1, which holds no key (its K and V are zero)" in hit["message"].replace("\n", " ")

@@ -249,3 +249,10 @@ def test_per_head_pruned_prefix_and_global_column_attention_are_quiet(tmp_path):
     for name in ("adakv_keydiff_cascade_prefix_keep_mask_merged_lse", "alphafold2_global_column_attention_einsum_padded_msa"):
         status, found, report = traced(tmp_path, name, False, QUIET)
         assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_physiopro_contiformer_nan_mask_laid_on_the_heads_is_flagged_and_its_fix_is_not(tmp_path):
+    # microsoft/PhysioPro#11 (8fa0161; written blind, blind-kg, round 61; caught before tuning): the per-timestep NaN
+    # mask (B, T) of the unpacked series handed to attention as (1, B, 1, T): with batch == heads, series b's gaps mask
+    # head b of every series, at the old timesteps, and the packed rows' padding is never masked
+    check_bug(tmp_path, "physiopro_contiformer_merged_series_nan_mask_on_wrong_axis", "padding-per-head")
