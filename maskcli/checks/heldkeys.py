@@ -79,7 +79,8 @@ def _over_cache(run: Run, call, held: dict) -> dict:
     table, rows, k_len = held["rows"], call.shape[0], call.shape[3]
     if held["kind"] not in ("keep", "pad") or table.ndim != 2 or table.shape[0] != rows or not 1 < table.shape[1] < k_len:
         return held
-    first = next((one for one in run.sites().get(call.where, ()) if one.index < call.index), None)
+    site = run.sites().get(call.where) or [call]  # (in step order: its first call, the prefill where there is one)
+    first = site[0] if site[0].index < call.index else None
     if first is None or first.shape[0] != rows or first.shape[2] != first.shape[3] or first.shape[3] != table.shape[1]:
         return held
     after = np.full((rows, k_len - table.shape[1]), held["kind"] == "keep")
