@@ -980,16 +980,19 @@ def test_encoders_handed_no_padding_mask_over_padded_batches_are_flagged_and_the
 
 
 def test_counts_on_against_a_loop():
-    """counts_on: a row counts on from a restart where some token after the first sits at 0 and the next two at 1 and 2
-    (a packed document); GraphCodeBERT's data-flow nodes at 0 between code at 2, 3, ... and pads at 1 do not."""
+    """counts_on: a row counts on from a restart where some token after the first sits at 0 and the next at 1, then 2 or
+    the row's end (a packed document); GraphCodeBERT's data-flow nodes at 0 between code at 2, 3, ... and pads at 1 do
+    not."""
     from maskcli.checks.arguments import counts_on
 
     rng = np.random.default_rng(0)
-    rows = [np.array([2, 3, 4, 5, 0, 0, 0, 1, 1]), np.array([0, 1, 2, 3, 0, 1, 2, 0, 0])]
+    rows = [np.array([2, 3, 4, 5, 0, 0, 0, 1, 1]), np.array([0, 1, 2, 3, 0, 1, 2, 0, 0]),
+            np.array([0, 1, 2, 3, 4, 5, 6, 0, 1])]
     rows += [rng.integers(0, 4, size=9) for _ in range(200)]
     positions = np.stack(rows)
-    loop = [any(row[i] == 0 and row[i + 1] == 1 and row[i + 2] == 2 for i in range(1, len(row) - 2)) for row in rows]
-    assert counts_on(positions)[:, 0].tolist() == loop and loop[:2] == [False, True]
+    loop = [any(row[i] == 0 and row[i + 1] == 1 and (i + 2 == len(row) or row[i + 2] == 2) for i in range(1, len(row) - 1))
+            for row in rows]
+    assert counts_on(positions)[:, 0].tolist() == loop and loop[:3] == [False, True, True]
 
 
 @pytest.mark.parametrize("name", [

@@ -254,10 +254,10 @@ def document_starts(position_ids: np.ndarray, real: np.ndarray | None) -> np.nda
 
 
 def counts_on(positions: np.ndarray) -> np.ndarray:
-    """Bool (B, 1): rows where some token after the first sits at 0 and the next two at 1 and 2, a packed document
-    counting on from its start; 0s that never count on (GraphCodeBERT's data-flow nodes at 0 between code tokens at 2,
-    3, ... and pads at 1) mark a kind of token, not documents."""
-    p = positions
+    """Bool (B, 1): rows where some token after the first sits at 0 and the next at 1, then 2 or the row's end: a packed
+    document counting on from its start; 0s that never count on (GraphCodeBERT's data-flow nodes at 0 between code
+    tokens at 2, 3, ... and pads at 1, 1, ...) mark a kind of token, not documents."""
+    p = np.concatenate([positions, np.full((positions.shape[0], 1), 2)], axis=1)  # (the row's end counts as a 2)
     return ((p[:, 1:-2] == 0) & (p[:, 2:-1] == 1) & (p[:, 3:] == 2)).any(axis=1, keepdims=True)
 
 

@@ -60,8 +60,10 @@ def gaps_seen(run: Run) -> list:
     for call in run.calls:
         gaps, top = call.details.get("gaps"), run.top(call)
         rows = call.shape[0]
-        if not gaps or len(gaps) != rows or call.mask in done or (cells := keep(call)) is None:
-            continue
+        if not gaps or len(gaps) != rows or call.mask in done or (cells := keep(call)) is None \
+                or _queries_before(run, call) >= min(start for start, _ in call.details["written"]):
+            continue  # (as many queries ran at the site as slots precede the write: each slot held a key once; a zero
+            # one is a token's own, a pad's under bias-free projections)
         real = resolve(call, top, by_row(cells, rows)).queries if top is not None else np.ones((rows, call.shape[2]), bool)
         hole = np.zeros((rows, call.shape[3]), bool)
         for b, slots in enumerate(gaps):
@@ -78,6 +80,17 @@ def gaps_seen(run: Run) -> list:
                 expected=f"batch row {b}: only slots the cache holds", source="the cache buffer's slots, read at the call",
                 cell=(b, q, k))))
     return found
+
+
+def _queries_before(run: Run, call) -> int:
+    """How many queries the call's site ran over its buffer before it, back to the step that began writing it (the
+    nearest earlier call with no write read: the buffer's first call, a prefill)."""
+    count = 0
+    for one in reversed([one for one in run.sites().get(call.where, ()) if one.index < call.index]):
+        count += one.shape[2]
+        if not one.details.get("written"):
+            break
+    return count
 
 
 def _unwritten(run: Run) -> list:
