@@ -17,20 +17,20 @@ from maskcli.checks.context import Run, keep
 
 def backward_streams(run: Run) -> set[int]:
     """The indices of the square calls, under a model call whose loss trains the previous token, where no query sees
-    the key before it; and of the other calls of those sites where none does (a run too short for its loss to say)."""
-    found, sites, blind = set(), set(), []
-    for call in run.calls:
-        top = run.top(call)
-        q_len, k_len = call.shape[2:]
-        if top is None or call.stored is None or not q_len == k_len > 1:
-            continue
-        cells = keep(call)
-        q = np.arange(1, q_len)
-        if cells is None or cells[..., q, q - 1].any():
-            continue
-        if "previous_token" in top.arguments:
-            found.add(call.index)
-            sites.add(call.where)
-        else:
-            blind.append(call)
-    return found | {call.index for call in blind if call.where in sites}
+    the key before it; and of the other calls of those sites where none does (a run too short for its loss to say).
+    Most runs state no previous token: nothing is read then."""
+    stated = [call for call in run.calls if (top := run.top(call)) is not None and "previous_token" in top.arguments]
+    found = {call.index for call in stated if _blind_to_previous(call)}
+    sites = {call.where for call in run.calls if call.index in found}
+    return found | {call.index for call in run.calls if call.where in sites and call.index not in found
+                    and _blind_to_previous(call)}
+
+
+def _blind_to_previous(call) -> bool:
+    """A square call over several queries, read, none of whose queries sees the key just before it."""
+    q_len, k_len = call.shape[2:]
+    if call.stored is None or not q_len == k_len > 1:
+        return False
+    cells = keep(call)
+    q = np.arange(1, q_len)
+    return cells is not None and not cells[..., q, q - 1].any()

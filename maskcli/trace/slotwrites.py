@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 KEPT = 64  # buffers whose checksums are kept at once (more: the oldest goes)
+GAPS = 4096  # empty slots kept a row (checks/cache.py says the first it sees, and counts those)
 _SEEN: dict = {}  # (storage address, shape) -> (B, S) checksums of K and of V at that buffer's last call
 
 
@@ -65,9 +66,10 @@ def _gaps(sums: np.ndarray, runs: list) -> dict:
     leading zeros (its left padding under bias-free projections) are no gap."""
     zero = (sums == 0).all(axis=0)  # (B, S)
     gaps = []
-    for row, (start, _) in zip(zero, runs):
+    for row, (start, _) in zip(zero, runs):  # (a row at a time, the slots in numpy: at most GAPS of them kept a row)
         held = np.flatnonzero(~row[:start])
-        gaps.append([int(j) for j in np.flatnonzero(row[:start]) if held.size and j > held[0]])
+        empty = np.flatnonzero(row[:start])
+        gaps.append(empty[empty > held[0]][:GAPS].tolist() if held.size else [])
     return {"gaps": gaps} if any(gaps) else {}
 
 
