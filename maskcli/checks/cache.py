@@ -64,11 +64,12 @@ def gaps_seen(run: Run) -> list:
                 or _queries_before(run, call) >= min(start for start, _ in call.details["written"]):
             continue  # (as many queries ran at the site as slots precede the write: each slot held a key once; a zero
             # one is a token's own, a pad's under bias-free projections)
-        real = resolve(call, top, by_row(cells, rows)).queries if top is not None else np.ones((rows, call.shape[2]), bool)
+        cells = by_row(cells, rows)
+        real = resolve(call, top, cells).queries if top is not None else np.ones((rows, call.shape[2]), bool)
         hole = np.zeros((rows, call.shape[3]), bool)
         for b, slots in enumerate(gaps):
             hole[b, slots] = True
-        bad = by_row(cells, rows) & real[:, None, :, None] & hole[:, None, None, :]
+        bad = cells & real[:, None, :, None] & hole[:, None, None, :]
         if bad.any():
             done.add(call.mask)
             b, h, q, k = first_cell(bad)

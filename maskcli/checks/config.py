@@ -234,7 +234,7 @@ def window(run: Run) -> list:
                 sure = name == "sliding_window"
                 found.append((call, Finding("window-off-by-one", (
                     f"{where} sees window({other}), one key {how} than its config's window({size}) ({source}): an "
-                    f"off-by-one ({COUNTS_QUERY if source.startswith('sliding_window=') else 'the window counts the query itself'})"
+                    f"off-by-one ({'the window counts the query itself' if name in stated.renamed else COUNTS_QUERY})"
                     if sure else
                     f"{where} sees window({other}), one key {how} than the window({size}) its config states "
                     f"({source}): an off-by-one unless its window_size counts the keys before the query only"),

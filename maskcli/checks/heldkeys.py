@@ -37,9 +37,8 @@ def keys_of(run: Run, call, unmasked: list, readings) -> list | None:
         helds = [h for h in helds if h is not None]
     if q_len < k_len:  # (a step behind its cache: a prompt's padding held, as wide as the site's prefill, is its first
         # keys'; one a script's top level holds only where it is so: a batch's mask tokenized beside generate's call)
-        tops = [read for read in map(lambda h: _over_cache(run, call, h), call.details.get("held_top") or ())
-                if read.get("over_cache")]
-        helds = [_over_cache(run, call, h) for h in helds] + tops
+        tops = [_over_cache(run, call, h) for h in call.details.get("held_top") or ()]
+        helds = [_over_cache(run, call, h) for h in helds] + [read for read in tops if read.get("over_cache")]
     if run.cross and not cross(call) and q_len >= k_len:
         # (the answer is the same for every call of one block, model call and shape over the same held arrays: once a run)
         known = run.__dict__.setdefault("_memory_helds", {})

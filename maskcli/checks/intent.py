@@ -62,10 +62,10 @@ class Stated:
     fields: dict  # FIELDS it states (value not None), "layers" (its layer count) and FLAGS
 
 
-
 def transformers_config(value) -> bool:
     """A transformers config: its class derives from PretrainedConfig (PreTrainedConfig in transformers 5)."""
     return any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__)
+
 
 def config_like(value, named: bool = False) -> bool:
     """A value that may be a config: a dict with str keys, a dataclass instance, a namespace, a transformers config, an
@@ -78,7 +78,7 @@ def config_like(value, named: bool = False) -> bool:
     if dataclasses.is_dataclass(value) or kind.__name__ in ("SimpleNamespace", "Namespace") or \
             read(value, "_fields", MISSING) is not MISSING:
         return True
-    if any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in kind.__mro__):
+    if transformers_config(value):
         return True
     return (hasattr(value, "__dict__") or hasattr(kind, "__slots__")) and (
         named or any(word in kind.__name__.lower() for word in LIKE))
@@ -143,8 +143,7 @@ def _bidirectional_unset(value, items: dict, text) -> dict | None:
 
 def _fields_besides(value, items: dict, text, found: dict) -> dict:
     """fields_of's reading once `found` (FIELDS with a value) is known."""
-    if not found and text is not None and text is not value and not any(
-            base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__):
+    if not found and text is not None and text is not value and not transformers_config(value):
         inner = fields_of(text) if isinstance(text, dict) or config_like(text, named=True) else {}
         if inner:  # (a composite config of the program's own: its text config's fields speak for the language model)
             image = next((items[n] for n in IMAGE_IDS if isinstance(items.get(n), int)), None)

@@ -123,13 +123,14 @@ def _finding(held: dict, keep: np.ndarray) -> Finding | None:
             f"{stated}, cut into {each} windows per image, but the mask its window attention holds has "
             f"{keep.shape[0]} windows: it was built for another map, and its windows are laid on the wrong ones"),
             expected=f"Swin's mask for shift {shift}, window {window}, {each} windows per image", source=source)
-    meant = np.tile(expected(height, width, window, shift), (images, 1, 1))
     resolution = tuple(held.get("resolution") or ())
     real = resolution if len(resolution) == 2 and resolution != (height, width) and all(
         -(-side // window) * window == padded for side, padded in zip(resolution, (height, width))) else None
-    if any(np.array_equal(keep, np.tile(expected(height, width, window, shift, transposed, at), (images, 1, 1)))
-           for transposed in (False, True) for at in {None, real}):
+    ways = [np.tile(expected(height, width, window, shift, transposed, at), (images, 1, 1))  # (the first: Swin's own)
+            for at in ((None, real) if real else (None,)) for transposed in (False, True)]
+    if any(np.array_equal(keep, way) for way in ways):
         return None
+    meant = ways[0]
     differ = keep != meant
     w, q, k = first_cell(differ)
     how = "sees" if keep[w, q, k] else "hides"

@@ -261,7 +261,11 @@ def predicting(run: Run):
     for top in run.tops:
         said = top.arguments.get("next_token")
         if said is not None:
-            yield top, (said[1] if said[0] == 1 else said[1].T)
+            yield top, by_batch(said)
+
+
+def by_batch(said: tuple) -> np.ndarray:  # (a loss's (sequence axis, positions) read, trace/losses.py: (batch, sequence))
+    return said[1] if said[0] == 1 else said[1].T
 
 
 def targets(run: Run) -> list:
@@ -279,12 +283,9 @@ def targets(run: Run) -> list:
             said = stated(top, rows, length)  # (of a real token only: a padding row's output is the program's to drop)
             uniform &= True if said is None else np.broadcast_to(said[0], uniform.shape)
             bad[:, q, q + 1] = (cells[:, q, q + 1] | uniform[:, q]) & predicts[:, q]
-            back = top.arguments.get("previous_token")  # (a loss on the previous token too: two streams, a forward and
-            if back is not None:  # a backward LM, each blind to its own target; a call wrong for either sees both)
-                previous = back[1] if back[0] == 1 else back[1].T
-                both = np.zeros(bad.shape[:2], bool)
-                both[:, 1:length - 1] = (cells[:, q[1:], q[1:] - 1] | uniform[:, 1:length - 1]) & previous[:, 1:length - 1]
-                bad[:, q, q + 1] &= both[:, q]
+            if "previous_token" in top.arguments:  # (a loss on the previous token too: two streams, a forward and a
+                back = (cells[:, q, q - 1] | uniform[:, q]) & by_batch(top.arguments["previous_token"])[:, q]  # backward
+                bad[:, q, q + 1] &= back & (q > 0)  # LM, each blind to its own target; a call wrong for either sees both)
             if bad.any():
                 b, q, k = first_cell(bad)
                 by = f"`{top.arguments['next_token_by']}`" if "next_token_by" in top.arguments else "input ids"
@@ -294,8 +295,7 @@ def targets(run: Run) -> list:
                     f"batch row {b}: query {q} {how}, the token its loss asks it to predict (the targets of the "
                     f"program's loss are the {by} of {top.where} shifted by one; {int(bad.sum())} such queries): "
                     f"a next-token model needs a causal mask" + (LINEAR if call.details.get("by_hand") == "linear" else "")),
-                    expected="causal", source="the loss's targets",
-                    cell=(b, q, k))))
+                    expected="causal", source="the loss's targets", cell=(b, q, k))))
                 break
     return found
 

@@ -75,13 +75,18 @@ def _note_shifts(arguments: dict, found: np.ndarray, ignore: int) -> bool:
     if shifted is not None:
         arguments["next_token"] = shifted
         return True
-    ids = next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray)), None)
+    ids = _ids(arguments)
     if "previous_token" not in arguments and ids is not None and ids.ndim == 2:
         back = _shifted(target=found, ids=ids, ignore=ignore, back=True)
         if back is not None:
             arguments["previous_token"] = back
             return True
     return False
+
+
+def _ids(arguments: dict) -> np.ndarray | None:
+    """The model call's token ids kept by name (IDS), else None."""
+    return next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray)), None)
 
 
 def _count(top, target: np.ndarray, ignore: int) -> None:
@@ -96,7 +101,7 @@ def _count(top, target: np.ndarray, ignore: int) -> None:
 def _of_ids(target: np.ndarray, arguments: dict, ignore: int) -> tuple[int, np.ndarray] | None:
     """_shifted against the model call's ids: those kept by name, else each field of a compound-word model's (B, L, F)
     ids (trace/fieldids.py: a field's head trained on the next position's field)."""
-    ids = next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray)), None)
+    ids = _ids(arguments)
     fields, first = arguments.get("field_ids"), arguments.get("first_ids")
     if ids is None and isinstance(first, tuple):  # (a hand-written `forward(self, x, targets)`: its first argument's ids)
         found = _shifted(target, first[1], ignore)
