@@ -54,3 +54,47 @@ def test_quiet_on_whole_rows_the_wrong_count_and_no_padding():
     assert cut_segments(run_of([2, 2], np.ones((2, 4)))) == []
     found = cut_segments(run_of([3, 3], mask))
     assert [f.code for _, f in found] == ["segments-cut"] * 2 and found[0][1].cell == (0, 3, 3)
+
+
+def test_varlen_lengths_made_from_the_first_row_leave_the_longer_rows_tail_unattended(tmp_path):
+    """Written another way (tests/data/segments): a BERT-style encoder unpads a right-padded batch by its
+    attention_mask but repeats the first row's length for every row, so a varlen stand-in covers 2 x 3 tokens of the
+    3 + 6 real ones. Found on both readings (the per-sequence calls, and the documents against the model call's mask);
+    the fix's lengths are each row's."""
+    [hit, *_] = check_bug(tmp_path, "encoder_varlen_lengths_from_first_row", "segments-cut", SEGMENTS)
+    assert "over [3, 3] tokens" in hit["message"] and "rows [3, 6] real tokens" in hit["message"]
+
+
+def test_fastvideo_clip_causal_mask_read_as_key_padding_runs_one_token(tmp_path):
+    """hao-ai-lab/FastVideo cceacec99 (written blind, blind-kk): the (1, 1, S, S) causal mask's first query row read as
+    a key padding mask keeps one key, so the varlen kernel runs over 1 token where the ids (pad id 0) hold 7 + 5; the
+    fix hands flash_attn_func causal=True under SDPAMetadata(is_causal=True), beside a config that says is_causal=False
+    (the metadata's word, nearer the call, speaks: no bidirectional-run-causal)."""
+    ids = [[62, 11, 23, 5, 40, 17, 63] + [0] * 5, [62, 9, 31, 2, 63] + [0] * 7]
+    real = [sum(1 for t in row if t != 0) for row in ids]
+    [hit] = check_bug(tmp_path, "fastvideo_mmaudio_clip_causal_mask_read_as_key_padding_flash", "segments-cut")
+    assert f"holds {sum(real)} real tokens ({real[0]}, {real[1]} a row" in hit["message"]
+    assert "ran over 1 token (cu_seqlens [0, 1]" in hit["message"] and tuple(hit["cell"]) == (0, 1, 0)
+
+
+def run_of_documents(cu: list[int], mask: list[list[int]], given: tuple | None = None) -> Run:
+    mask = np.array(mask)
+    call = SimpleNamespace(index=0, where="layers.0.attn", api="sdpa", step=0, shape=(1, 2, cu[-1], cu[-1]),
+                           details={"documents": {"cu_seqlens": np.array(cu)}, "query_input": given or mask.shape})
+    return Run([call], [Top("Model", arguments={"attention_mask": mask}, first=0, end=1)])
+
+
+def test_documents_are_judged_against_the_real_tokens_a_loop_counts():
+    """Documents that cover every real token (a row each, or packed otherwise) are quiet, as is a layer handed another
+    shape than the mask's (a decode step); fewer are found, at the first real token past them, by a loop."""
+    from maskcli.checks.segments import uncovered
+
+    mask = [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert uncovered(run_of_documents([0, 2, 6], mask), set()) == []
+    assert uncovered(run_of_documents([0, 3, 6], mask), set()) == []
+    assert uncovered(run_of_documents([0, 2, 4], mask, (2, 1)), set()) == []
+    assert uncovered(run_of_documents([0, 2, 4], mask), {0}) == []
+    [(_, finding)] = uncovered(run_of_documents([0, 2, 4], mask), set())
+    flat = [(b, q) for b in range(2) for q in range(4) if mask[b][q]]
+    assert finding.code == "segments-cut" and finding.cell == (*flat[4], 0)
+    assert "2 real tokens attend nothing" in finding.message

@@ -432,3 +432,27 @@ def test_the_eoi_prefix_is_each_rows_start_to_its_first_eoi_token():
     for config in ({"unmask_image": False, "eoi_token_id": 6}, {"unmask_image": True}):
         said, top = run(config)
         assert not eoiprefix.stated(top)
+
+
+def test_gemma4_port_whose_dataclass_config_holds_its_text_config_as_a_field(tmp_path):
+    """Automodel#1891's shape written another way (tests/data/fixq2): a composite dataclass config with no
+    get_text_config(), its `text_config` field stating use_bidirectional_attention="vision", and mm_token_type_ids
+    ignored by the mask builder (each image causal on the sliding layer). The cell: a loop over later keys of the
+    query's own image within the window."""
+    from checkbugs import first
+
+    folder = Path(__file__).parent / "data" / "fixq2"
+    [hit] = check_bug(tmp_path, "gemma4_port_dataclass_text_config_images_causal", "span-not-bidirectional", folder)
+    ids = [[2, 9, 9, 9, 9, 4, 0, 0], [2, 3, 9, 9, 9, 5, 6, 4]]
+    same = lambda b, q, k: q < k < q + 3 and all(t == 9 for t in ids[b][q:k + 1])
+    assert tuple(hit["cell"]) == first((2, 8, 8), same)
+
+
+def test_a_ports_text_config_field_is_its_text_part():
+    from maskcli.checks.configread import text_part
+
+    text = SimpleNamespace(use_bidirectional_attention="vision")
+    assert text_part(SimpleNamespace(text_config=text)) is text
+    plain = SimpleNamespace(text_config={"hidden_size": 8})
+    assert text_part(plain) is plain
+    assert text_part(text) is text

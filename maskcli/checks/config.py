@@ -362,7 +362,8 @@ def both_ways(run: Run) -> list:
     found = []
     for call, stated, index, kind, placed in _each_layer_call(run):
         said = stated.bidirectional()
-        if said is None or stated.decoder or placed.holds("full") or not placed.holds("causal") or beside_encoder(run, call):
+        if said is None or stated.decoder or placed.holds("full") or not placed.holds("causal") or beside_encoder(run, call) \
+                or "(handed as " in call.details.get("module_causal", ""):  # (a per-call object's word: forwardflag.HANDED)
             continue
         size = stated.window()[0] if kind is not None and kind[0] == "sliding_attention" and stated.window() else 0
         if any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):

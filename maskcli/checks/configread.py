@@ -102,11 +102,12 @@ def added(value, names) -> tuple[str, ...]:
 
 def text_part(config):
     """The text part of a composite transformers config (Gemma 3's text_config), as get_text_config() names it; the
-    config itself where it has no such method, or where it has several text parts and names none (MusicGen's
+    config itself where it has neither that method nor a `text_config` object (a port's dataclass), or where it has several text parts and names none (MusicGen's
     text_encoder and decoder: get_text_config() raises ValueError), so no rule reads one part's fields for another's."""
     found = getattr(config, "get_text_config", None)
-    if not callable(found):
-        return config
+    if not callable(found):  # (a port's composite config of its own: its `text_config` field, as transformers' names it)
+        held = getattr(config, "text_config", None)
+        return config if held is None or isinstance(held, (dict, str, int, float, bool)) else held
     try:
         return found()
     except ValueError:

@@ -12,12 +12,24 @@ another mask: Whisper's FlashAttention-2 path sliced the (B, L) mask to `key_sta
 Stays quiet where the calls are as long as the rows' real tokens or longer (a loop over the padded rows whole, which
 causal attention makes harmless on right padding), where their number is not the batch's, and where the padding is
 not a padded batch's (every row real, a hole in a row).
+
+The same bug read from the other side: a varlen call's documents (details["documents"], the cu_seqlens its frames or
+modules hold) that cover fewer tokens than the model call states real for the (B, L) batch the call's layer was handed
+(details["query_input"]; checks/real.stated: its mask, lengths or pad id, said outright). `pad_input` leaves the tokens
+past the documents zero: they attend nothing. hao-ai-lab/FastVideo cceacec99 (written blind, batch blind-kk): MMAudio's
+CLIP text encoder handed OpenCLIP's additive causal mask (1, 1, S, S) to the FLASH_ATTN backend, which read its first
+query row as a key padding mask (`>= 0`: one key), so the varlen kernel ran over one token of the first prompt. Quiet
+where the documents cover every real token (packed, unpadded), where the layer was handed another shape than the model
+call's ids (a decode step, a pruned sequence), and where the padding is only guessed.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from maskcli.checks.context import Run
 from maskcli.checks.held import readings
+from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -35,7 +47,7 @@ def cut_segments(run: Run) -> list:
             finding = _finding(calls)
             if finding is not None:
                 found.extend((call, finding) for call in calls)
-    return found
+    return found + uncovered(run, {call.index for call, _ in found})
 
 
 def _finding(calls: list) -> Finding | None:
@@ -65,8 +77,59 @@ def _finding(calls: list) -> Finding | None:
     return None
 
 
+CUMULATIVE = ("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q")
+
+
+def _covered(documents: dict) -> tuple[str, np.ndarray] | None:
+    """(name, cumulative lengths) of the query side's documents, where they are a well-formed run from 0."""
+    for name in CUMULATIVE:
+        cu = documents.get(name)
+        if isinstance(cu, np.ndarray) and cu.ndim == 1 and len(cu) > 1 and cu[0] == 0 and (np.diff(cu) >= 0).all():
+            return name, cu
+    return None
+
+
+def _lengths(cu: np.ndarray) -> str:
+    lengths = [int(x) for x in np.diff(cu)]
+    return ", ".join(map(str, lengths[:6])) + (", ..." if len(lengths) > 6 else "")
+
+
+def uncovered(run: Run, done_calls: set) -> list:
+    """Varlen calls whose documents cover fewer tokens than the real ones the model call states for the batch their
+    layer was handed (calls cut_segments found already left out)."""
+    found, done = [], set()
+    for call in run.calls:
+        documents, given = call.details.get("documents"), call.details.get("query_input")
+        if not documents or not given or call.index in done_calls or (covered := _covered(documents)) is None:
+            continue
+        top = run.top(call)
+        rows, length = int(given[0]), int(given[1])
+        said = stated(top, rows, length)
+        if said is None or not said[2]:
+            continue
+        name, cu = covered
+        key = (id(top), name, cu.tobytes())
+        real = np.broadcast_to(said[0], (rows, length))
+        if key in done or int(cu[-1]) >= int(real.sum()):
+            continue
+        done.add(key)
+        per_row = [int(x) for x in real.sum(axis=1)]
+        ran = int(cu[-1])
+        b, q = (int(x) for x in np.argwhere(real)[ran])  # (the first real token past those the documents cover)
+        found.append((call, Finding("segments-cut", (
+            f"the varlen kernel at {call.where} ran over {ran} token{'s' if ran != 1 else ''} ({name} {cu.tolist()[:8]}"
+            f"{'...' if len(cu) > 8 else ''}: documents of {_lengths(cu)}), but the batch of {rows} rows it was handed "
+            f"holds {int(real.sum())} real tokens ({', '.join(map(str, per_row))} a row, by {said[1]}): "
+            f"{int(real.sum()) - ran} real tokens attend nothing, their attention output left zero (query {q} of batch "
+            f"row {b} among them); build the lengths from the batch's padding mask, not from another mask"),
+            expected=f"documents covering the {int(real.sum())} real tokens ({', '.join(map(str, per_row))} a row)",
+            source=f"{name} at {call.where}, and {said[1]}", cell=(b, q, 0))))
+    return found
+
+
 RULES = (
     Rule("segments-cut", "wrong", "steps", "a padded batch attended one sequence per call (a varlen kernel's segments) "
          "over fewer tokens than the padding the program holds gives its rows: the unpadding read another mask "
-         "(Whisper's FA2 path sliced to num_heads columns)", cut_segments),
+         "(Whisper's FA2 path sliced to num_heads columns), or documents that cover fewer tokens than the model call "
+         "states real", cut_segments),
 )

@@ -11,7 +11,8 @@ An attention implementation that is no nn.Module (vLLM's `FlashAttentionImpl`, h
 called as `self.attn.forward_fa_npu(q, k, v)`) keeps its word as its own attribute: `self.causal = True` on an object
 of the program's own class whose method runs between the innermost module's forward and the kernel says that this
 call is causal, as the module's attribute would (held_flag; vllm-omni#7324: the dense NPU path never built the mask
-that flag asked for). Again only True is read.
+that flag asked for). So does a per-call metadata object of the program's own class such a method is handed
+(FastVideo's `SDPAMetadata(is_causal=True)`, cceacec99, blind-kk). Again only True is read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 NAMES = ("use_causal_mask", "is_causal", "causal")
+HANDED = "(handed as "  # (a per-call object's word, not the implementation's own: checks/config.both_ways reads it)
 
 
 def forward_flag(stack: list, frames: list, value: bool = True) -> str | None:
@@ -76,22 +78,28 @@ def forward_frame(stack: list, frames: list, takes) -> tuple | None:
 
 def held_flag(stack: list, frames: list) -> str | None:
     """'Class.causal' where a method running inside the innermost module's forward (among `frames`, innermost first)
-    belongs to an object of the program's own class, no nn.Module, whose own attribute `causal` / `is_causal` is True."""
+    belongs to, or was handed, an object of the program's own class, no nn.Module, whose own attribute `causal` /
+    `is_causal` is True (an attention implementation's, a per-call metadata object's)."""
     from maskcli.trace.reqlens import _read as own_object
 
     if not stack or not frames:
         return None
     module = stack[-1]
     for frame, _ in frames:
-        owner = frame.f_locals.get("self")
+        variables = frame.f_locals
+        owner = variables.get("self")
         if owner is module or isinstance(owner, torch.nn.Module):
             return None  # (the module's forward reached: its own word is causal_flag's)
-        if owner is None or not own_object(owner):
-            continue
-        held = vars(owner)
-        for name in NAMES[1:]:
-            if held.get(name) is True:
-                return f"{type(owner).__name__}.{name}"
+        code = frame.f_code
+        # (the object itself, then a metadata object the method was handed: FastVideo's SDPAMetadata(is_causal=True))
+        for name in ("self", *code.co_varnames[int(owner is not None):code.co_argcount]):
+            held = variables.get(name)
+            if held is None or not own_object(held):
+                continue
+            fields = vars(held)
+            for flag in NAMES[1:]:
+                if fields.get(flag) is True:
+                    return f"{type(held).__name__}.{flag}" + ("" if name == "self" else f" {HANDED}{name})")
     return None
 
 
