@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from checkbugs import check_bug, traced
+from checkbugs import BUGS, check_bug, traced
 from maskcli.checks.swin import expected
 
 SWIN = Path(__file__).parent / "data" / "swin"
@@ -122,3 +122,16 @@ def test_a_map_rolled_then_padded_to_whole_windows_against_a_loop():
                   for top in range(0, padded_h, window) for left in range(0, padded_w, window)]
         loop = np.array([[[label[p] == label[q] for q in win] for p in win] for win in tokens])
         assert (expected(padded_h, padded_w, window, shift, real=(height, width)) == loop).all()
+
+
+def test_timm_swin_v2_rolls_then_pads_with_a_mask_cut_on_the_padded_map(tmp_path):
+    """huggingface/pytorch-image-models#2438 (written blind, blind-ks): SwinTransformerV2Block._attn rolls the 9 x 9 map
+    and pads it to 12 x 12 after, with dynamic_mask=True labelling the regions on the padded map; the fix pads first.
+    Written another way (tests/data/swin): a V1-style block over a 6 x 6 map padded to 8 x 8, scores reshaped per image.
+    The mask read against the loop above: the padded map's regions, not the real map's."""
+    for name, folder in (("timm_swin_v2_dynamic_mask_pad_after_cyclic_shift", BUGS),
+                         ("block_rolls_then_pads_mask_on_padded_map", SWIN)):
+        [hit, *_] = check_bug(tmp_path, name, "swin-mask-regions", folder)
+        assert "before padding it to" in hit["message"] and "pad the map first" in hit["message"]
+    real, padded = expected(8, 8, 4, 2, real=(6, 6)), expected(8, 8, 4, 2)
+    assert (real != padded).any()

@@ -124,12 +124,22 @@ def _finding(held: dict, keep: np.ndarray) -> Finding | None:
             f"{keep.shape[0]} windows: it was built for another map, and its windows are laid on the wrong ones"),
             expected=f"Swin's mask for shift {shift}, window {window}, {each} windows per image", source=source)
     resolution = tuple(held.get("resolution") or ())
-    real = resolution if len(resolution) == 2 and resolution != (height, width) and all(
+    after = (held.get("rolled") or {}).get("padded_after")  # (the block rolled its map, then padded it: trace/swinroll)
+    real = tuple(after) if after else resolution if len(resolution) == 2 and resolution != (height, width) and all(
         -(-side // window) * window == padded for side, padded in zip(resolution, (height, width))) else None
     ways = [np.tile(expected(height, width, window, shift, transposed, at), (images, 1, 1))  # (the first: Swin's own)
-            for at in ((None, real) if real else (None,)) for transposed in (False, True)]
+            for at in ((real,) if after else (None, real) if real else (None,)) for transposed in (False, True)]
     if any(np.array_equal(keep, way) for way in ways):
         return None
+    if after and any(np.array_equal(keep, np.tile(expected(height, width, window, shift, transposed), (images, 1, 1)))
+                     for transposed in (False, True)):
+        return Finding("swin-mask-regions", (
+            f"{stated}, and it rolls its {after[0]}x{after[1]} map by the shift before padding it to {height}x{width}, "
+            f"but the mask its window attention holds cuts the regions on the padded map: the tokens the roll wrapped "
+            f"round sit before the padding, not at the map's end, so they see tokens from the far side of the image and "
+            f"not their neighbours (pad the map first, then roll it)"),
+            expected=f"Swin's mask for shift {shift}, window {window}, its regions cut on the {after[0]}x{after[1]} map",
+            source=source, cell=first_cell(keep != ways[0]))
     meant = ways[0]
     differ = keep != meant
     w, q, k = first_cell(differ)

@@ -38,7 +38,8 @@ def rolled_otherwise(run: Run) -> list:
 
 
 def _finding(rolled: dict) -> Finding | None:
-    shift, roll, size, dims = rolled["shift"], rolled["roll"], rolled["map"], rolled["dims"]
+    shift, roll, dims = rolled["shift"], rolled["roll"], rolled["dims"]
+    size = rolled.get("padded_after") or rolled["map"]  # (rolled before its padding: the roll is over its own size)
     axes = [i for i in range(len(size)) if _off(roll[i], shift[i], size[i])]
     if not axes:
         return None

@@ -9,8 +9,9 @@ of which one is the other rolled along two axes (three) (channels last or first)
 confirmed with torch.roll on the whole tensor; the roll of the one the frame holds later from the one it holds first
 (the variables in the order the forward names them: the map, then the map rolled). The map is the one the block holds
 now, of whatever size (a block built for one `input_resolution` run on another: checks/swin.py reads the size rolled);
-where two readings are found, the one over `input_resolution`. Nothing where no pair or more than one offset is found
-(a map whose values repeat), nor where the block rolled in place (no pre-roll tensor held).
+where two readings are found, the one over `input_resolution`. A map rolled first and padded to whole windows after
+is read too ("padded_after": its own size; timm's Swin V2, pytorch-image-models#2438). Nothing where no pair or more
+than one offset is found (a map whose values repeat), nor where the block rolled in place (no pre-roll tensor held).
 """
 
 from __future__ import annotations
@@ -85,10 +86,37 @@ def block_roll(module) -> dict | None:
                 found.add((dims, offset, size))
     if len(found) > 1 and resolution is not None:  # (two readings: the one over the block's input_resolution)
         found = {one for one in found if one[2] == resolution}
+    if not found and axes == 2:  # (no pair of one shape: the map rolled first and padded to whole windows after?)
+        return _padded_after(tensors[:TENSORS], shift, window)
     if len(found) != 1:
         return None
     dims, offset, size = found.pop()
     return {"shift": shift, "window": window, "roll": offset, "map": size, "dims": dims}
+
+
+def _padded_after(tensors: list, shift: tuple, window: tuple) -> dict | None:
+    """The roll of a block that rolled its (H, W) map and then padded it with zeros to whole windows (timm's Swin V2
+    `_attn`: torch.roll, then F.pad; pytorch-image-models#2438): a later 4-D tensor whose top-left (H, W) corner is an
+    earlier one rolled by one offset and whose cells past it are 0, its sides whole windows. "padded_after": the map's
+    own size, before the padding (checks/swin.py cuts the regions on it). None where no one such pair is found."""
+    found = set()
+    for first, second in combinations(tensors, 2):
+        if first.shape == second.shape or first.dim() != second.dim() or first.dtype != second.dtype:
+            continue
+        for dims in ((1, 2), (2, 3)):
+            size, padded = tuple(first.shape[d] for d in dims), tuple(second.shape[d] for d in dims)
+            others = [d for d in range(first.dim()) if d not in dims]
+            if any(first.shape[d] != second.shape[d] for d in others) or any(p % w for p, w in zip(padded, window)) \
+                    or not all(n <= p < n + w for n, p, w in zip(size, padded, window)):
+                continue
+            corner = second.narrow(dims[0], 0, size[0]).narrow(dims[1], 0, size[1])
+            offset = _offset(first, corner, dims)
+            if offset is not None and int(torch.count_nonzero(second)) == int(torch.count_nonzero(corner)):
+                found.add((dims, offset, padded, size))
+    if len(found) != 1:
+        return None
+    dims, offset, padded, size = found.pop()
+    return {"shift": shift, "window": window, "roll": offset, "map": padded, "dims": dims, "padded_after": size}
 
 
 def _offset(first: torch.Tensor, second: torch.Tensor, dims: tuple[int, ...]) -> tuple[int, ...] | None:
