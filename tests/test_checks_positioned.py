@@ -424,3 +424,19 @@ def test_both_ways_reads_real_queries_only():
     padded = causal.copy()
     padded[0, 0, :] = True
     assert _both_ways(padded, None) and not _both_ways(padded, np.array([[False, True, True, True]]))
+
+
+def test_image_tokens_sharing_one_position_decode_over_more_keys_than_positions(tmp_path):
+    """CogAgent's scheme (quiet-yt, written blind: a false alarm before): the image's tokens share one rotary position,
+    so a cached step's query sits at a position below the keys it sees; the model call states that position and the
+    table holds it: quiet. The same program with the table built for the step's own token (position 0 only, the
+    stated position 7 and after past it) is found, at the first key past the one position 0 can count."""
+    from checkbugs import traced
+
+    name = "shared_image_position_cached_decode"
+    status, found, report = traced(tmp_path, name, False, POSITIONS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    status, found, report = traced(tmp_path, name, False, POSITIONS, ("--table-for-step",))
+    hits = [f for f in found if f["code"] == "positions-vs-keys" and f["severity"] == "wrong"]
+    assert status == 1 and hits, report
+    assert tuple(hits[0]["cell"]) == first((1, 1, 10), lambda b, q, k: k > 0) and "sees 10 keys" in hits[0]["message"]

@@ -29,7 +29,8 @@ it rotated the query (and the keys with it) before its place (lag-llama 4a2d099)
 queries were multiplied by (trace/rotated.py): where a module's queries see the keys they saw at its previous call of
 as many queries and more appended (a cache that grew by a step), and are rotated at the same positions as then, the
 step's tokens were rotated where the step before sat (SpecForge#424: EAGLE-3's TTT steps rotated with position_ids,
-not position_ids + lck).
+not position_ids + lck). Where the model call states the step's positions and the table holds them, the table says
+what the program says (CogVLM's image tokens share one position: fewer positions than keys).
 """
 
 from __future__ import annotations
@@ -181,6 +182,11 @@ def _rotated(run: Run, done: set) -> list:
         most = most[:, None] if most.size == batch else np.full((batch, 1), int(most.max()))
         counts = seen.sum(axis=2)
         short = placed & (counts - 1 > most)
+        top = run.top(call)
+        said = None if top is None else _positions(top)
+        if said is not None and said[1].shape == (batch, seen.shape[1]) and (said[1] <= most).all():
+            continue  # (the table holds the positions the model call states for the step: tokens that share one, as
+            # CogVLM's image tokens do, count fewer positions than keys)
         if not short.any():
             continue
         b, j = (int(x) for x in np.argwhere(short)[0])
