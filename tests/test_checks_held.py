@@ -1190,3 +1190,13 @@ def test_a_prompts_padding_held_beside_decode_steps_that_attend_it_is_read_over_
     # the short row (3 real tokens, pads at 3-5): its first decode step's query sees key 3 (a double loop over the keys)
     assert tuple(found[0]["cell"]) == first((2, 1, 7), lambda b, q, k: b == 1 and 3 <= k < 6)
     assert "of its prompt's 6 tokens, the first of these 7 keys" in found[0]["message"].replace("\n", " ")
+
+
+def test_a_segment_memory_models_mask_of_its_own_tokens_is_not_a_prompts(tmp_path):
+    """compressive-transformer-pytorch 4b3ce19's fix (blind, a false alarm before): a segment of as many queries as
+    its padding mask's tokens attends a memory of the segment before and itself; the mask is the segment's own (the
+    last keys), not a prompt's laid over the first keys behind a cache, though the first segment ran over as many
+    queries and keys as the mask holds. Written another way: SDPA, a right-padded last segment, the memory hidden
+    states of the segment before: quiet."""
+    status, found, report = traced(tmp_path, "segment_memory_mask_of_its_own_tokens_quiet", False, HELD)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -80,7 +80,8 @@ def _over_cache(run: Run, call, held: dict) -> dict:
         return held
     site = run.sites().get(call.where) or [call]  # (in step order: its first call, the prefill where there is one)
     first = site[0] if site[0].index < call.index else None
-    if first is None or first.shape[0] != rows or first.shape[2] != first.shape[3] or first.shape[3] != table.shape[1]:
-        return held
+    if first is None or first.shape[0] != rows or first.shape[2] != first.shape[3] or first.shape[3] != table.shape[1] \
+            or call.shape[2] == table.shape[1]:  # (as many queries as the mask's tokens: the call's own, after a memory
+        return held  # of earlier segments, Compressive Transformer's: not a prompt's behind the steps generated since)
     after = np.full((rows, k_len - table.shape[1]), held["kind"] == "keep")
     return {**held, "rows": np.concatenate([table, after], axis=1), "over_cache": table.shape[1]}
