@@ -14,19 +14,33 @@ from maskcli.checks.context import Run, Top
 
 @given(st.sets(st.integers(0, 60)), st.integers(0, 60), st.integers(0, 30))
 def test_made_by_is_every_kept_call_whose_index_the_model_call_spans(kept, first, length):
-    calls = [SimpleNamespace(index=index) for index in sorted(kept)]
+    calls = [SimpleNamespace(index=index, details={}) for index in sorted(kept)]
     top = Top("model", first=first, end=first + length)
     assert Run(calls, [top]).made_by(top) == [call for call in calls if first <= call.index < first + length]
 
 
 def test_a_model_call_after_a_left_out_call_gets_its_own_calls_not_its_neighbours():
     # the trace's calls 0-5; the engine left out call 1 (an MoE router's softmax) and call 3 (a cross-attention)
-    calls = [SimpleNamespace(index=index) for index in (0, 2, 4, 5)]
+    calls = [SimpleNamespace(index=index, details={}) for index in (0, 2, 4, 5)]
     first, second = Top("step 0", first=0, end=3), Top("step 1", first=3, end=6)
     run = Run(calls, [first, second])
     assert [call.index for call in run.made_by(first)] == [0, 2]
     assert [call.index for call in run.made_by(second)] == [4, 5]
     assert [call.index for call in run.calls[second.first:second.end]] == [5]  # (what a slice gave)
+
+
+def test_threads_making_model_calls_of_their_own_keep_their_own_calls():
+    """Two threads' model calls interleaved (ranks run as threads): each call's model call is the latest begun before it
+    on its own thread, and made_by keeps a model call's own thread's calls; the main thread's, by a loop."""
+    threads = ["A", "B", "A", "B", None, "B", "A"]
+    calls = [SimpleNamespace(index=i, details={} if t is None else {"thread": t}) for i, t in enumerate(threads)]
+    a, b = Top("a", {}, {"thread": "A"}, 0, 7), Top("b", {}, {"thread": "B"}, 1, 7)
+    main = Top("main", first=4, end=5)
+    run = Run(calls, [a, b, main])
+    for call, thread in zip(calls, threads):
+        assert run.top(call) is {"A": a, "B": b, None: main}[thread]
+    for top, thread in ((a, "A"), (b, "B")):
+        assert [c.index for c in run.made_by(top)] == [i for i, t in enumerate(threads) if t == thread and i >= top.first]
 
 
 def test_keeps_cells_of_intervals_are_tracefiles_own():

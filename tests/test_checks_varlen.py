@@ -401,3 +401,26 @@ def test_keras_nlp_merged_mask_with_an_extra_axis_mixing_batch_into_heads_is_fla
     # (B, T) padding mask given an extra axis beside a (B, T, T) attention mask broadcasts to (B, B, T, T), so with
     # batch == heads head h of every row reads row h's documents and padding
     check_bug(tmp_path, "keras_nlp_merge_padding_and_attention_mask_extra_axis_mixes_batch_into_heads", "varlen-leak")
+
+
+def test_threads_running_model_calls_of_their_own_are_read_each_against_its_own(tmp_path):
+    """Context-parallel ranks as threads in one process (axolotl#2495's fix, blind: a false alarm before, each rank's
+    cu_seqlens read against the other rank's position_ids): two threads each run a packed model call whose documents
+    agree, their attention calls interleaved by a barrier. Each call is paired with its own thread's model call:
+    quiet."""
+    from pathlib import Path
+
+    status, found, report = traced(tmp_path, "two_threads_packed_rows_own_documents_quiet", False,
+                                   Path(__file__).parent / "data" / "varlen")
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_varlen_loop_over_the_documents_is_not_read_as_rows_of_a_batch(tmp_path):
+    """A plain-torch flash_attn_varlen_func that attends document by document (2, 4 and 2 tokens packed): the 4-token
+    call is that document alone, not a row of the 8 tokens cut in two rows of 4 (musubi-tuner's per-sample loop, which
+    _one_row reads): quiet (a false alarm before, varlen-leak)."""
+    from pathlib import Path
+
+    status, found, report = traced(tmp_path, "varlen_loop_over_documents_quiet", False,
+                                   Path(__file__).parent / "data" / "varlen")
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

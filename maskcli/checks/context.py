@@ -56,24 +56,26 @@ class Run:
     reweighed: list = field(default_factory=list)  # softmaxes over an earlier one's weights (engine.py; weighted.py)
 
     def top(self, call) -> Top | None:
-        """The innermost outermost-module call that made `call` (the last one that began before it), from an index
-        built once per run (every rule asks it of every call)."""
+        """The innermost outermost-module call that made `call` (the last begun before it, on the call's own thread where
+        the program's threads make model calls of their own), from an index built once per run (asked of every call)."""
         index = self.__dict__.get("_tops")
         if index is None or index[0] is not self.tops or index[1] != len(self.tops):
-            found: dict = {}
-            for top in self.tops:  # (a later one that began before a call is its innermost: it overwrites)
-                found.update(dict.fromkeys(range(top.first, top.end), top))
-            index = self.__dict__["_tops"] = (self.tops, len(self.tops), found)  # (self.tops held: its id stays its own)
-        return index[2].get(call.index)
+            found: dict = {}  # thread (None: main, "*": any) -> call index -> top; a later one that began first overwrites
+            for top in self.tops:
+                for thread in ("*", top.arguments.get("thread")):
+                    found.setdefault(thread, {}).update(dict.fromkeys(range(top.first, top.end), top))
+            index = self.__dict__["_tops"] = (self.tops, len(self.tops), found)  # (self.tops held: its id its own)
+        own, every = index[2].get(call.details.get("thread"), {}), index[2].get("*", {})
+        return own[call.index] if call.index in own else every.get(call.index)
 
     def made_by(self, top: Top) -> list:
-        """The calls of `top` ([top.first, top.end) of the call indices, its inner model calls' too), in order. A slice
-        of run.calls at those indices is not it: engine.py's Run leaves out the cross-attention calls and the softmaxes
-        of sites that mask nowhere, so the calls after one sit at lower places than their indices (calls are kept
-        in index order: found by bisection)."""
-        calls = self.calls
+        """The calls of `top` ([top.first, top.end) of the call indices, its inner model calls' too; on its own thread),
+        in order. Not a slice of run.calls at those indices: engine.py's Run leaves out the cross-attention calls and
+        the softmaxes of sites that mask nowhere (calls are kept in index order: found by bisection)."""
+        calls, thread = self.calls, top.arguments.get("thread")
         first = bisect.bisect_left(calls, top.first, key=lambda call: call.index)
-        return calls[first:bisect.bisect_left(calls, top.end, first, key=lambda call: call.index)]
+        found = calls[first:bisect.bisect_left(calls, top.end, first, key=lambda call: call.index)]
+        return [call for call in found if call.details.get("thread") == thread]
 
     def placed(self, call) -> tuple[Top | None, np.ndarray, bool]:
         """(run.top(call), queries(call, top) read-only, columns_are_positions(call, top)), found once per call for
@@ -396,5 +398,3 @@ def _band(q_len: int, k_len: int, k: int, upper: bool) -> np.ndarray:
 def first_cell(cells: np.ndarray) -> tuple[int, ...]:
     """The first True of a bool array, as ints."""
     return tuple(int(x) for x in np.argwhere(cells)[0])
-
-

@@ -140,6 +140,9 @@ def _one_row(call, labels: np.ndarray):
             and 0 < given[1] // given[3][0] < len(rows):
         row = given[1] // given[3][0]
         return rows[row:row + 1], row, False
+    if k_len in np.unique(labels.reshape(-1), return_counts=True)[1]:
+        return None  # (a document of exactly the call's keys: the call may be that document alone, a varlen kernel's
+        # loop over the documents, not a batch row's)
     return rows, 0, True
 
 

@@ -124,6 +124,8 @@ class Outer:
         except (Exception, SystemExit):  # noqa: BLE001 - a program object that cannot be read: nothing read
             kept = {}
         kept["state_writes"] = assigned.WRITES[0]  # (module state assigned so far: checks/continued.py)
+        if threading.get_ident() != threading.main_thread().ident:  # (the thread it ran on, as its calls say it:
+            kept["thread"] = threading.current_thread().name  # checks/context.Run.top pairs a call with its own thread's)
         local.outer = held = [frame, module, args, kwargs, first, len(self._calls), kept]
         if id(module) not in self._handles:  # (a first call, unhooked: its forward's frame, read as it returned)
             self.__dict__.setdefault("_forwards", {})[id(held)] = _forward(frame, found)
