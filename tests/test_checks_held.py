@@ -1200,3 +1200,12 @@ def test_a_segment_memory_models_mask_of_its_own_tokens_is_not_a_prompts(tmp_pat
     states of the segment before: quiet."""
     status, found, report = traced(tmp_path, "segment_memory_mask_of_its_own_tokens_quiet", False, HELD)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_finished_rows_decode_steps_on_its_pads_are_not_real_queries(tmp_path):
+    """XLM's generate (quiet-yv, written blind: a false alarm before): a row that emitted EOS keeps decoding PAD, the
+    lengths its step function holds stop growing, and each of its later steps' query sits on a pad past them (the last
+    key of a cache that grows by one a step). Written another way: SDPA over a concatenated cache, the lengths held by
+    a helper's frame. Quiet: a finished row's pad queries see its pads, no real query does."""
+    status, found, report = traced(tmp_path, "finished_rows_decode_their_pads_quiet", False, HELD)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

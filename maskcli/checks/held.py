@@ -168,9 +168,8 @@ def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.nda
 
 
 def _told(picks: list) -> tuple[dict, np.ndarray]:
-    """(held, bad cells) of the reading a finding names: one the program holds outright (a mask, read one way only)
-    before one of several (lengths, read right- and left-padded), so the cell named is one the program's padding calls
-    padding (lengths beside a left-padded `is_pad`: is_pad's, not the right-padded reading of the lengths)."""
+    """(held, bad cells) of the reading a finding names: one held outright (a mask, read one way only) before one of
+    several (lengths, read right- and left-padded: beside a left-padded `is_pad`, is_pad's)."""
     count, _, held, bad = min(picks, key=lambda pick: pick[0] > 1)
     return held, bad
 
@@ -225,6 +224,8 @@ def held_padding(run: Run) -> list:
                 bad = _seen(cells, real, own)
                 if placed is not None:  # (a query on a padding token: its row is unmasked on purpose, _unmask_unattended)
                     bad = bad & real_queries(real, placed)[:, :, None]
+                elif own is None and q_len < k_len and not cross(call):  # (a step's queries, the last keys: on padding,
+                    bad = bad & real[:, k_len - q_len:][:, :, None]  # a finished row's next pads: XLM's generate)
                 if row_real is not None:
                     bad = bad & row_real[:, None, None]
                 if not bad.any():
@@ -266,10 +267,8 @@ def _stated_places(call, top) -> np.ndarray | None:
     """The key position of each of the call's queries where the model call states it (`cache_position`, `input_pos`:
     a static cache's slot j is position j), else None (a memory's keys, or a cache that says nothing)."""
     arguments = {} if top is None else top.arguments
-    if not any(isinstance(arguments.get(name), np.ndarray) and arguments[name].shape[-1:] == (call.shape[2],)
-               for name in ("cache_position", "input_pos")) or not columns_are_positions(call, top):
-        return None
-    return queries(call, top)
+    return queries(call, top) if any(isinstance(arguments.get(name), np.ndarray) and arguments[name].shape[-1:] == (
+        call.shape[2],) for name in ("cache_position", "input_pos")) and columns_are_positions(call, top) else None
 
 
 def held_documents(run: Run) -> list:
