@@ -666,3 +666,26 @@ def test_a_bidirectional_lm_whose_backward_stream_sees_the_next_token_is_quiet_a
     full = torch.ones(6, 6, dtype=torch.bool)
     found = _bidirectional_lm(full, full)
     assert found and all(cell == (0, 1, 2) for _, cell in found)
+
+
+def test_a_later_packed_examples_bos_masked_on_purpose_is_not_text_hidden(tmp_path):
+    """axolotl#131's fix (blind-kp: real-tokens-masked on it before): a constant-length packing dataset marks 0 the BOS
+    of each example after a row's first, and the loss trains on the whole row. Written another way: a dataclass config
+    states bos_token_id, a hand-written causal decoder over SDPA. Quiet: a BOS masked inside a row is no text hidden,
+    nor a trained token hidden."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "packed_examples_later_bos_masked_quiet", False, TOKENS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_at_bos_is_the_stated_bos_id_apart_from_the_pad_id():
+    from types import SimpleNamespace
+
+    from maskcli.checks.padruns import at_bos
+
+    ids = np.array([[1, 5, 1, 0], [7, 1, 2, 0]])
+    top = SimpleNamespace(arguments={}, config=SimpleNamespace(bos_token_id=1))
+    assert (at_bos(ids, top, 0) == (ids == 1)).all()
+    assert not at_bos(ids, top, 1).any() and not at_bos(ids, top, 0, (2, 3)).any() and not at_bos(None, top, 0).any()
+    assert (at_bos(ids, SimpleNamespace(arguments={"tokenizer_bos_id": 7}, config=None), 0) == (ids == 7)).all()

@@ -20,7 +20,7 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
   (0xallam/Direct-Preference-Optimization#1: the collator's mask zero over every response token, so no response
   token attends the response before it). Left alone where no id of the batch is the pad id and the mask's 0s are a
   padded batch's (one run at one edge of a row, the longest row unpadded): the mask is then the only padding the
-  program states, over filler ids (transformers#46077's fix: random ids, `attention_mask[1, 7:] = 0`).
+  program states, over filler ids (transformers#46077's fix: random ids, `attention_mask[1, 7:] = 0`); and a BOS.
 - sees-its-target: the program's loss takes the model call's own input ids shifted by one as its targets (trace/
   losses.py: a next-token predictor), yet a query sees the key one position after it, the very token it is asked
   to predict (pytorch/tutorials#2478: the word-language-model tutorial ran nn.TransformerEncoder without its
@@ -51,7 +51,7 @@ import numpy as np
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, real_queries
 from maskcli.checks.othermask import borrowed
-from maskcli.checks.padruns import disagreeing
+from maskcli.checks.padruns import at_bos, disagreeing
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -161,7 +161,7 @@ def tokens(run: Run) -> list:
             found += _unmarked(run, top, padded, given, pad_id, said, side)
         if len(found) == before:  # (rows that disagree on the pad run ending them: padruns.py)
             found += disagreeing(top, _calls(run, top, rows, length, unmasked=True), at_pad, given, pad_id, said)
-        hidden = (given == 0) & ~at_pad
+        hidden = (given == 0) & ~at_pad & ~at_bos(ids, top, pad_id)  # (a later packed example's BOS: padruns.py)
         if not _filler(at_pad, given, side) and any(len(np.unique(ids[b][hidden[b]])) >= 2 or _inside(hidden[b], given[b])
                                                     for b in range(rows)):
             found += _masked(run, top, hidden, given, pad_id, said)
@@ -357,14 +357,14 @@ def trained(run: Run) -> list:
         target = np.zeros_like(predicts)
         target[:, 1:] = predicts[:, :-1]  # (the token at p is the answer of query p - 1)
         later = np.flip(np.cumsum(np.flip(given == 1, axis=1), axis=1), axis=1) > (given == 1)  # a real token after
-        inside = (given == 0) & target & later
+        inside = (given == 0) & target & later & ~at_bos(_ids(top.arguments), top, (_pad(top.arguments) or [None])[0],
+                                                         given.shape)  # (a BOS masked on purpose: padruns.py)
         if not inside.any():
             continue
         at = np.arange(length)
         for call, cells, own in _calls(run, top, rows, length):
             real_q = real_queries(given == 1, own)
-            # (a key before the hidden one that the query sees: the hidden one is within what it attends)
-            sees_before = np.maximum.accumulate(cells, axis=2)
+            sees_before = np.maximum.accumulate(cells, axis=2)  # (a key before the hidden one that the query sees)
             earlier = np.zeros_like(cells)
             earlier[:, :, 1:] = sees_before[:, :, :-1]
             bad = ~cells & earlier & real_q[:, :, None] & inside[:, None, :] & (at[None, None, :] < own[None, :, None])
