@@ -689,3 +689,14 @@ def test_at_bos_is_the_stated_bos_id_apart_from_the_pad_id():
     assert (at_bos(ids, top, 0) == (ids == 1)).all()
     assert not at_bos(ids, top, 1).any() and not at_bos(ids, top, 0, (2, 3)).any() and not at_bos(None, top, 0).any()
     assert (at_bos(ids, SimpleNamespace(arguments={"tokenizer_bos_id": 7}, config=None), 0) == (ids == 7)).all()
+
+
+def test_the_last_left_pads_row_opened_to_every_key_is_no_real_query_seeing_its_target(tmp_path):
+    """unsloth#4100's fix (blind-kp: sees-its-target on it before): on a left-padded batch the last pad's logits
+    predict the first real token (the shifted labels count it) and its row, with no key, is opened to every key against
+    NaN. Written another way: a hand-written LM, labels -100 on the pads, `keep | ~keep.any(-1)`. Quiet: that query
+    is padding."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "left_padded_lm_pad_rows_unmasked_quiet", False, TOKENS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -280,9 +280,9 @@ def targets(run: Run) -> list:
             bad = np.zeros(cells.shape, bool)
             q = np.arange(length - 1)
             uniform = _uniform(call, cells)  # (a row that sees no key under a finite fill weighs every key alike)
-            said = stated(top, rows, length)  # (of a real token only: a padding row's output is the program's to drop)
-            uniform &= True if said is None else np.broadcast_to(said[0], uniform.shape)
-            bad[:, q, q + 1] = (cells[:, q, q + 1] | uniform[:, q]) & predicts[:, q]
+            said = stated(top, rows, length)  # (real queries only: a padding row's output, its row unmasked, is dropped)
+            uniform &= (real := np.ones((rows, length), bool) if said is None else np.broadcast_to(said[0], (rows, length)))
+            bad[:, q, q + 1] = (cells[:, q, q + 1] | uniform[:, q]) & predicts[:, q] & real[:, q]  # (unsloth#4100)
             if "previous_token" in top.arguments:  # (a loss on the previous token too: two streams, a forward and a
                 back = (cells[:, q, q - 1] | uniform[:, q]) & by_batch(top.arguments["previous_token"])[:, q]  # backward
                 bad[:, q, q + 1] &= back & (q > 0)  # LM, each blind to its own target; a call wrong for either sees both)
