@@ -291,3 +291,33 @@ def test_an_sdpa_decoder_that_masks_only_with_the_training_mask_samples_both_way
     assert "generate_square_subsequent_mask() beside DecoderBlock" in found[0]["message"]
     status, findings, report = traced(tmp_path, "sdpa_decoder_causal_only_from_training_mask", True, DIRECTIONS)
     assert [f for f in findings if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_padded_queries_of_scores_folded_with_the_heads_are_padding(tmp_path):
+    """transformers#9601's fix (TF LED, blind-kw: decoder-sees-later on it before): eager scores laid (bsz * heads,
+    tgt, src) over a left-padded decoder prefix, the causal and padding biases summed, so a pad query's row is lowered
+    everywhere and sees later keys. Its module states 4 heads and its layer 2 rows: the model call's attention_mask,
+    laid batch-major over the 8 rows, calls those queries padding (checks/realfold.py). Written another way: a
+    hand-written BART-style decoder: quiet."""
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "folded_heads_left_padded_decoder_additive_quiet", False,
+                                   Path(__file__).parent / "data" / "directions")
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_the_batch_is_laid_on_the_folded_rows_batch_major():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from maskcli.checks.realfold import folded
+
+    mask = np.array([[1, 1, 1], [0, 1, 1]], dtype=bool)
+    call = SimpleNamespace(shape=(6, 1, 3, 3), details={"stated_heads": 3, "query_input": (2, 3)})
+    said = folded(call, None, 6, 3, lambda top, rows, length: (mask, "attention_mask", True) if rows == 2 else None)
+    assert [list(row) for row in said[0]] == [list(mask[n // 3]) for n in range(6)] and said[1:] == ("attention_mask", True)
+    call.details["stated_heads"] = 2
+    assert folded(call, None, 6, 3, lambda *a: (mask, "m", True)) is None

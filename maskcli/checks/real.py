@@ -33,6 +33,7 @@ from maskcli.checks.padvalue import padded_with_id
 from maskcli.checks.placing import positions_said
 from maskcli.checks.idspositions import positions_padding
 from maskcli.checks.plainpad import ids_padding, named_padding
+from maskcli.checks.realfold import folded
 
 PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
 REAL_TRUE = ("attention_mask", "patch_attention_mask", "patch_attn_mask")  # 1 = a real token (a real patch)
@@ -288,7 +289,7 @@ def resolve(call, top, cells: np.ndarray, own_cells: bool = False) -> Real:
     own stored mask over its heads (by_row(keep(call))), read off its intervals where it keeps one a row."""
     rows, q_len, k_len = cells.shape
     own = queries(call, top)
-    said = stated(top, rows, k_len)
+    said = stated(top, rows, k_len) or folded(call, top, rows, k_len, stated)  # (heads folded in: realfold.py)
     if said is None:
         bounds = _runs(call.stored, rows, q_len, k_len) if own_cells else None
         keys, mine = read_off(cells, own) if bounds is None else read_off_runs(*bounds, own, k_len)
