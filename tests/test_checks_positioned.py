@@ -440,3 +440,17 @@ def test_image_tokens_sharing_one_position_decode_over_more_keys_than_positions(
     hits = [f for f in found if f["code"] == "positions-vs-keys" and f["severity"] == "wrong"]
     assert status == 1 and hits, report
     assert tuple(hits[0]["cell"]) == first((1, 1, 10), lambda b, q, k: k > 0) and "sees 10 keys" in hits[0]["message"]
+
+
+def test_a_rows_positions_rise_between_its_real_queries_only():
+    """360-LLaMA-Factory's zigzag ring (blind-gd's fix, flaky under load: positions-vs-keys): a rank's local causal
+    step over its chunks 0 and 3, positions [0, 1, 2, 3, 12] then padding at 15, 15, 15. Its real queries' positions
+    rise, skipping the places of the tokens other ranks hold: no finding. A real query's position that goes back
+    among them is read."""
+    from maskcli.checks.positioned import _within
+
+    seen = np.tril(np.ones((8, 8), dtype=bool))[None]
+    real = np.array([[1, 1, 1, 1, 1, 0, 0, 0]], dtype=bool)
+    assert _within(seen, real, np.array([[0, 1, 2, 3, 12, 15, 15, 15]])) is None
+    assert _within(seen, np.ones((1, 8), bool), np.array([[0, 1, 2, 3, 12, 13, 14, 15]])) is None
+    assert _within(seen, np.ones((1, 8), bool), np.array([[0, 1, 2, 3, 12, 13, 14, 14]])) is not None

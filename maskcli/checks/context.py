@@ -65,7 +65,7 @@ class Run:
                 for thread in ("*", top.arguments.get("thread")):
                     found.setdefault(thread, {}).update(dict.fromkeys(range(top.first, top.end), top))
             index = self.__dict__["_tops"] = (self.tops, len(self.tops), found)  # (self.tops held: its id its own)
-        own, every = index[2].get(call.details.get("thread"), {}), index[2].get("*", {})
+        own, every = index[2].get(getattr(call, "details", {}).get("thread"), {}), index[2].get("*", {})
         return own[call.index] if call.index in own else every.get(call.index)
 
     def made_by(self, top: Top) -> list:
@@ -75,7 +75,7 @@ class Run:
         calls, thread = self.calls, top.arguments.get("thread")
         first = bisect.bisect_left(calls, top.first, key=lambda call: call.index)
         found = calls[first:bisect.bisect_left(calls, top.end, first, key=lambda call: call.index)]
-        return [call for call in found if call.details.get("thread") == thread]
+        return [call for call in found if getattr(call, "details", {}).get("thread") == thread]
 
     def placed(self, call) -> tuple[Top | None, np.ndarray, bool]:
         """(run.top(call), queries(call, top) read-only, columns_are_positions(call, top)), found once per call for

@@ -151,9 +151,10 @@ def _within(seen, placed, positions) -> tuple | None:
     earlier = np.maximum(nearest, 0)
     counts = seen.sum(axis=2)
     moved = positions - positions[rows, earlier]  # (one that goes back restarts a packed document: documents-leak's)
+    rising = (np.diff(positions, axis=1) > 0) | ~(placed[:, 1:] & placed[:, :-1])  # (between real queries: a zigzag
     gaps = (nearest == np.arange(q_len)[None] - 1) & (counts - counts[rows, earlier] == 1) \
-        & (np.diff(positions, axis=1) > 0).all(axis=1, keepdims=True)  # (the query before it, and itself: a row whose
-    # positions only rise skips the places of tokens taken out, an unpadded row kept at its padded positions)
+        & rising.all(axis=1, keepdims=True)  # rank's chunks padded at 15, 15: 360-LLaMA-Factory's) (the query before it,
+    # and itself: a row whose positions only rise skips the places of tokens taken out, an unpadded row kept so)
     bad = placed & (nearest >= 0) & placed[rows, earlier] & ~(seen[rows, earlier] & ~seen).any(axis=2) \
         & (moved > 0) & (counts - counts[rows, earlier] != moved) & ~gaps
     if not bad.any():
