@@ -35,6 +35,9 @@ BUGS = [
     # InternLM/lmdeploy#3772: the sliding-window block manager frees the blocks Gemma 3's global layer still reads
     # (window_size = -1 and kv_seqlens = 15 held: 11 keys seen)
     ("lmdeploy_gemma3_window_block_manager_frees_global_layers", "keys-dropped"),
+    # unslothai/unsloth#4100: the decode step slices its cache with `1 - sliding_window` (sliding_window = 4 and
+    # seq_len held: 3 keys handed and seen; written blind)
+    ("unsloth_gemma2_decode_sliding_window_keeps_one_key_short", "window-narrower"),
     # labscommunity/cascadia#151: Gemma 4's export masks every layer with the plain causal mask, sliding ones too
     # (sliding_window = 3 and seq_len = 6 held in the layer forward: a prefill query sees 6 keys)
     ("cascadia_gemma4_export_sliding_layers_unwindowed", "window-dropped"),
@@ -130,6 +133,19 @@ def test_a_ring_buffer_decode_holding_a_plain_int_window(tmp_path):
         if seen < want:
             break
     assert f"query at position {p} sees {seen} " in hit["message"] and hit["expected"] == f"{want} keys"
+
+
+def test_a_decode_cache_sliced_one_key_short_of_a_plain_int_window(tmp_path):
+    """Written otherwise: SDPA handed no mask at each decode step, its keys sliced out of the growing cache by
+    `start_pos - sliding_window + 2` (one too many cut), `sliding_window = 5` and `start_pos` held in the frame. Against
+    a loop over absolute positions: the query at position 7 (a 7-token prompt) has 5 keys in its window; the slice
+    hands it 4, every one seen."""
+    hit = caught(tmp_path, "window_int_decode_keys_sliced_short", ("window-narrower",))
+    p, window = 7, 5
+    want = sum(1 for k in range(p + 1) if p - k < window)
+    handed = len(range(p - window + 2, p + 1))
+    assert f"the query at position {p} sees {handed} of the call's {handed} keys" in hit["message"]
+    assert hit["expected"] == f"{want} keys" and "cut to fewer than the window" in hit["message"]
 
 
 def test_a_global_layer_whose_cache_is_trimmed_to_the_local_window(tmp_path):

@@ -217,11 +217,13 @@ def _counted(run: Run) -> list:
         name, window, at, where = said[0], int(said[1]), int(said[2]), str(said[3])
         want = at + 1 if window < 0 else min(window, at + 1)
         cells = keep(call)
-        if cells is None or (want > call.shape[3] and (window > 0 or calls[(call.where, call.step)] > 1)):
-            continue  # (a window's keys not all held; or, with none, the step's keys split over several calls)
+        if cells is None or (want > call.shape[3] and calls[(call.where, call.step)] > 1):
+            continue  # (the step's keys split over several calls)
         seen = cells[..., 0, :].sum(axis=-1).reshape(-1)  # per head
         if seen.size == 0 or seen.min() != seen.max() or not 1 <= int(seen[0]) < want:
             continue
+        if window > 0 and want > call.shape[3] and int(seen[0]) != call.shape[3]:
+            continue  # (a window's keys not all held, and some of those held masked: not a cache sliced to the window)
         got = int(seen[0])
         if window < 0:
             found.append((call, Finding("keys-dropped", (
@@ -230,10 +232,12 @@ def _counted(run: Run) -> list:
                 f"(step {call.step}): keys of a full layer freed or trimmed (a cache cut to another layer's window?)"),
                 expected=f"{want} keys", source=where)))
             continue
+        sliced = got == call.shape[3] < want  # (every key handed seen, fewer than the window: the keys cut short)
         found.append((call, Finding("window-narrower", (
             f"{where}: the query at position {at} sees {got} of the call's {call.shape[3]} keys in every head, but a "
             f"window of {window} holds {want} keys there ({window} or {window + 1} by its convention, never fewer; "
-            f"step {call.step}): the mask is a narrower window than held"),
+            f"step {call.step}): " + ("the keys handed to the call were cut to fewer than the window" if sliced else
+                                      "the mask is a narrower window than held")),
             expected=f"{want} keys", source=where)))
     return found
 
