@@ -57,7 +57,8 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "sinkslots", "multiplied", "densesets", "owncut", "sinkblend", "poolspan", "skipped", "routed", "headadded",
            "builtcausal", "querygroups", "padend", "leftoff", "positioned", "dropshare", "rowsout", "steppad", "memflip",
            "madeframes", "beamcache", "rewritten", "restarted", "locallayers", "overqueries", "padgroup", "condwithheld",
-           "refed", "mediapad", "cachedpositions", "heldsinks", "prefixpool", "nowindow", "slicedmask", "alibisign", "loopcausal", "ownhidden")
+           "refed", "mediapad", "cachedpositions", "heldsinks", "prefixpool", "nowindow", "slicedmask", "alibisign", "loopcausal", "ownhidden",
+           "shortmask")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,95 @@
+"""A model call handed a 2-D attention_mask that stops before its own tokens, whose attention hides them from themselves.
+
+A model call's `attention_mask` (B, W) says, per batch row, which of the positions 0 .. W - 1 are tokens: the cached
+ones and the call's own. A call that places its queries at `cache_position` p >= W (a decode step behind a cache) was
+handed a mask that says nothing of its own tokens; transformers pads such a mask with zeros up to the keys
+(masking_utils' `prepare_padding_mask`), so the new tokens read as padding. A generate loop written by hand that
+updates `input_ids` and `cache_position` but never appends a 1 to the mask for each token it feeds
+(tenstorrent/tt-xla#2953: a prompt-length mask against a StaticCache of max_cache_len) makes every decode query see
+the prompt and neither itself nor the tokens generated before it.
+
+Said only where both hold: the mask's width is at most a query's position (the call's own statement), and in the
+attention calls the model call made, every batch row whose query attends hides that query's own key (the key at its
+position) in every head: the mask ran short. Quiet where the model extends the mask itself (the query sees its own
+key), on cross-attention, where the queries' places among the keys are not known, and where the model call states no
+cache_position and is handed no cache (LongT5's and Pegasus-X's blocks place queries past the mask's width).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, cross, keep
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def _mask(top) -> np.ndarray | None:
+    """The model call's 2-D attention_mask of 0s and 1s (B, W), where it was handed one."""
+    mask = top.arguments.get("attention_mask")
+    if not isinstance(mask, np.ndarray) or mask.ndim != 2 or mask.dtype.kind not in "biu" or not mask.size:
+        return None
+    return mask
+
+
+def _stated(top) -> np.ndarray | None:
+    """The model call's `cache_position` (its queries' positions), where it was handed one."""
+    at = top.arguments.get("cache_position")
+    return at if isinstance(at, np.ndarray) and at.ndim == 1 and at.size and at.dtype.kind in "iu" else None
+
+
+def mask_short(run: Run) -> list:
+    """The first attention call of each site, in a model call whose attention_mask stops before its queries' positions,
+    whose attending rows each hide every query's own key past the mask's end."""
+    found, said = [], set()
+    for top in run.tops:
+        mask = _mask(top)
+        if mask is None:
+            continue
+        stated = _stated(top)
+        if stated is None and top.arguments.get("past_key_values") is None:
+            continue  # (no position stated and no cache handed: queries placed past the mask are blocks, not steps)
+        for call in run.made_by(top):
+            if call.where in said or call.stored is None or cross(call):
+                continue
+            _, own, positions = run.placed(call)
+            at = own if stated is None else stated  # (no cache_position handed: where the run places the queries)
+            q_len, k_len = call.shape[2:]
+            if not positions or len(own) != q_len or not np.array_equal(own, at) or int(own.max()) >= k_len \
+                    or int(own.max()) < mask.shape[1] or q_len >= k_len:
+                continue
+            cells = keep(call)
+            if cells is None:
+                continue
+            past = np.flatnonzero(own >= mask.shape[1])  # (the queries the mask says nothing of)
+            seen = cells.any(axis=(1, 3))  # (rows, Lq): a query that attends some key, in some head
+            mine = cells[:, :, past, own[past]].any(axis=1)  # (rows, past queries): its own key seen in some head
+            attending = seen[:, past]
+            if not attending.any() or (mine & attending).any():
+                continue
+            b, i = (int(x[0]) for x in np.nonzero(attending))
+            p = int(own[past[i]])
+            said.add(call.where)
+            width = mask.shape[1]
+            fed = p > width and not cells[b, :, past[i], width:p].any()
+            found.append((call, Finding("attention-mask-short", (
+                f"the model call at step {call.step} is handed an attention_mask of width {width}, but places its "
+                f"queries at {'cache_position' if stated is not None else 'position' + 's' * (len(set(at.tolist())) > 1)} {spans_of(at)}: the mask says nothing of the call's own tokens, and query "
+                f"{p} of batch row {b} does not see its own key" + (f", nor keys {width} .. {p - 1} (the tokens fed "
+                f"since the mask's end)" if fed else "") + ": the mask was not extended with a 1 for each token fed"),
+                expected=f"an attention_mask of width {int(at.max()) + 1} or more (the last one extended by the "
+                         f"tokens fed)", source=f"attention_mask ({mask.shape[0]}, {mask.shape[1]}) of {top.where}",
+                cell=(b, p, p))))
+    return found
+
+
+def spans_of(at: np.ndarray) -> str:
+    first, last = int(at.min()), int(at.max())
+    return str(first) if first == last else f"{first} .. {last}"
+
+
+RULES = (
+    Rule("attention-mask-short", "wrong", "steps", "a model call handed a 2-D attention_mask narrower than its queries' "
+         "cache_position, whose attention hides each query's own token: the mask not extended for the tokens fed "
+         "(tt-xla#2953: a prompt-length mask against a static cache)", mask_short),
+)
