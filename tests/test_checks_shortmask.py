@@ -1,4 +1,5 @@
-"""checks/shortmask.py: a model call's 2-D attention_mask that stops before its own tokens, their own keys hidden."""
+"""checks/shortmask.py: a model call's 2-D attention_mask that stops before its own tokens, or marks them padding, their
+own keys hidden."""
 
 from __future__ import annotations
 
@@ -48,3 +49,26 @@ def test_tt_xla_static_cache_prompt_length_mask(tmp_path):
     pre-allocates a mask of the cache's length."""
     hits = check_bug(tmp_path, "ttxla_llama_static_cache_prompt_length_attention_mask", "attention-mask-short")
     assert "attention_mask of width 8, but places its queries at cache_position 8" in hits[0]["message"]
+
+
+def test_a_sampling_loop_that_appends_the_finished_flag(tmp_path):
+    """Written otherwise: SDPA with a boolean mask, an embedding whose padding_idx is 0 (the model's pad id), a loop
+    that appends `finished.long()` where it means `~finished`. Against a loop over absolute positions: at the first
+    decode step no row has finished, so position 4 (after a 4-token prompt) is marked 0 and its query, a real token,
+    does not see key 4."""
+    hit = caught(tmp_path, "generate_loop_mask_extended_with_finished_flag", ("own-token-masked",))
+    finished = [False, False]
+    appended = [int(f) for f in finished]  # (the buggy loop's column 4)
+    p = 4
+    seen = [k <= p and (k < p or appended[0] == 1) for k in range(p + 1)]
+    assert not seen[p] and "at position 4, but its attention_mask marks position 4 padding (0)" in hit["message"]
+    assert "feeds batch row 0 token id" in hit["message"] and "the model's pad id (0)" in hit["message"]
+    assert hit["expected"] == "attention_mask[0, 4] = 1 (a token fed is a token)"
+
+
+def test_transformers_llama_decoded_by_hand_with_zeros_appended(tmp_path):
+    """transformers' LlamaForCausalLM (pad_token_id 0 in its config) decoded by hand, a 0 appended to the mask for
+    each token fed: the first decode query (position 5) is marked padding and blind to itself; ones appended are
+    quiet."""
+    hits = check_bug(tmp_path, "hf_llama_loop_mask_not_extended", "own-token-masked", ROWS, ("--zeros",))
+    assert "at position 5, but its attention_mask marks position 5 padding (0)" in hits[0]["message"]

@@ -21,6 +21,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, cross, keep
 from maskcli.checks.registry import Rule
+from maskcli.checks.tokens import _ids, _pad
 from maskcli.text import Finding
 
 
@@ -83,6 +84,43 @@ def mask_short(run: Run) -> list:
     return found
 
 
+def own_masked(run: Run) -> list:
+    """The first attention call of each site, in a model call behind a cache, whose attention_mask marks a query's own
+    position 0 although the token fed there is not the pad id, and whose query does not see its own key."""
+    found, said = [], set()
+    for top in run.tops:
+        mask, ids, pad = _mask(top), _ids(top.arguments), _pad(top.arguments)
+        if mask is None or ids is None or pad is None or ids.ndim != 2 or ids.shape[0] != mask.shape[0]:
+            continue
+        for call in run.made_by(top):
+            q_len, k_len = call.shape[2:]
+            if call.where in said or call.stored is None or cross(call) or q_len >= k_len or ids.shape[1] != q_len:
+                continue
+            _, own, positions = run.placed(call)
+            if not positions or mask.shape[1] != k_len or not np.array_equal(own, np.arange(k_len - q_len, k_len)):
+                continue  # (the mask spans the keys, the queries its last positions: a step behind a cache)
+            cells = keep(call)
+            if cells is None or cells.shape[0] not in (1, mask.shape[0]):
+                continue
+            cells = np.broadcast_to(cells, (mask.shape[0], *cells.shape[1:]))
+            marked = (mask[:, own] == 0) & (ids != pad[0])  # (B, Lq): a token fed, marked padding
+            attends = cells.any(axis=(1, 3))
+            mine = cells[:, :, np.arange(q_len), own].any(axis=1)
+            bad = marked & attends & ~mine
+            if not bad.any():
+                continue
+            b, q = (int(x[0]) for x in np.nonzero(bad))
+            p = int(own[q])
+            said.add(call.where)
+            found.append((call, Finding("own-token-masked", (
+                f"the model call at step {call.step} feeds batch row {b} token id {int(ids[b, q])} at position {p}, "
+                f"but its attention_mask marks position {p} padding (0), and that query does not see its own key; "
+                f"the id is not {pad[1]} ({pad[0]}): the mask was extended with a 0 for a token fed"),
+                expected=f"attention_mask[{b}, {p}] = 1 (a token fed is a token)",
+                source=f"attention_mask ({mask.shape[0]}, {mask.shape[1]}) of {top.where}", cell=(b, p, p))))
+    return found
+
+
 def spans_of(at: np.ndarray) -> str:
     first, last = int(at.min()), int(at.max())
     return str(first) if first == last else f"{first} .. {last}"
@@ -92,4 +130,7 @@ RULES = (
     Rule("attention-mask-short", "wrong", "steps", "a model call handed a 2-D attention_mask narrower than its queries' "
          "cache_position, whose attention hides each query's own token: the mask not extended for the tokens fed "
          "(tt-xla#2953: a prompt-length mask against a static cache)", mask_short),
+    Rule("own-token-masked", "wrong", "steps", "a model call behind a cache whose attention_mask marks a token it feeds "
+         "(not the pad id) padding, its query blind to its own key: the mask extended with a 0 for a generated token",
+         own_masked),
 )
