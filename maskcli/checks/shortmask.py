@@ -39,6 +39,17 @@ def _stated(top) -> np.ndarray | None:
     return at if isinstance(at, np.ndarray) and at.ndim == 1 and at.size and at.dtype.kind in "iu" else None
 
 
+def _steps(run: Run, top, said: set):
+    """(call, its queries' positions) of each self-attention call `top` made over more keys than queries, stored and
+    placed among its keys, at a site not said yet."""
+    for call in run.made_by(top):
+        if call.where in said or call.stored is None or cross(call) or call.shape[2] >= call.shape[3]:
+            continue
+        _, own, positions = run.placed(call)
+        if positions and len(own) == call.shape[2]:
+            yield call, own
+
+
 def mask_short(run: Run) -> list:
     """The first attention call of each site, in a model call whose attention_mask stops before its queries' positions,
     whose attending rows each hide every query's own key past the mask's end."""
@@ -47,22 +58,17 @@ def mask_short(run: Run) -> list:
         mask = _mask(top)
         if mask is None:
             continue
-        stated = _stated(top)
+        stated, width = _stated(top), mask.shape[1]
         if stated is None and top.arguments.get("past_key_values") is None:
             continue  # (no position stated and no cache handed: queries placed past the mask are blocks, not steps)
-        for call in run.made_by(top):
-            if call.where in said or call.stored is None or cross(call):
-                continue
-            _, own, positions = run.placed(call)
+        for call, own in _steps(run, top, said):
             at = own if stated is None else stated  # (no cache_position handed: where the run places the queries)
-            q_len, k_len = call.shape[2:]
-            if not positions or len(own) != q_len or not np.array_equal(own, at) or int(own.max()) >= k_len \
-                    or int(own.max()) < mask.shape[1] or q_len >= k_len:
+            if not np.array_equal(own, at) or int(own.max()) >= call.shape[3] or int(own.max()) < width:
                 continue
             cells = keep(call)
             if cells is None:
                 continue
-            past = np.flatnonzero(own >= mask.shape[1])  # (the queries the mask says nothing of)
+            past = np.flatnonzero(own >= width)  # (the queries the mask says nothing of)
             seen = cells.any(axis=(1, 3))  # (rows, Lq): a query that attends some key, in some head
             mine = cells[:, :, past, own[past]].any(axis=1)  # (rows, past queries): its own key seen in some head
             attending = seen[:, past]
@@ -71,15 +77,15 @@ def mask_short(run: Run) -> list:
             b, i = (int(x[0]) for x in np.nonzero(attending))
             p = int(own[past[i]])
             said.add(call.where)
-            width = mask.shape[1]
             fed = p > width and not cells[b, :, past[i], width:p].any()
             found.append((call, Finding("attention-mask-short", (
                 f"the model call at step {call.step} is handed an attention_mask of width {width}, but places its "
-                f"queries at {'cache_position' if stated is not None else 'position' + 's' * (len(set(at.tolist())) > 1)} {spans_of(at)}: the mask says nothing of the call's own tokens, and query "
-                f"{p} of batch row {b} does not see its own key" + (f", nor keys {width} .. {p - 1} (the tokens fed "
-                f"since the mask's end)" if fed else "") + ": the mask was not extended with a 1 for each token fed"),
+                f"queries at {_placed(at, stated is not None)}: the mask says nothing of the call's own tokens, and "
+                f"query {p} of batch row {b} does not see its own key"
+                + (f", nor keys {width} .. {p - 1} (the tokens fed since the mask's end)" if fed else "")
+                + ": the mask was not extended with a 1 for each token fed"),
                 expected=f"an attention_mask of width {int(at.max()) + 1} or more (the last one extended by the "
-                         f"tokens fed)", source=f"attention_mask ({mask.shape[0]}, {mask.shape[1]}) of {top.where}",
+                         f"tokens fed)", source=f"attention_mask ({mask.shape[0]}, {width}) of {top.where}",
                 cell=(b, p, p))))
     return found
 
@@ -92,12 +98,10 @@ def own_masked(run: Run) -> list:
         mask, ids, pad = _mask(top), _ids(top.arguments), _pad(top.arguments)
         if mask is None or ids is None or pad is None or ids.ndim != 2 or ids.shape[0] != mask.shape[0]:
             continue
-        for call in run.made_by(top):
+        for call, own in _steps(run, top, said):
             q_len, k_len = call.shape[2:]
-            if call.where in said or call.stored is None or cross(call) or q_len >= k_len or ids.shape[1] != q_len:
-                continue
-            _, own, positions = run.placed(call)
-            if not positions or mask.shape[1] != k_len or not np.array_equal(own, np.arange(k_len - q_len, k_len)):
+            if ids.shape[1] != q_len or mask.shape[1] != k_len \
+                    or not np.array_equal(own, np.arange(k_len - q_len, k_len)):
                 continue  # (the mask spans the keys, the queries its last positions: a step behind a cache)
             cells = keep(call)
             if cells is None or cells.shape[0] not in (1, mask.shape[0]):
@@ -121,9 +125,11 @@ def own_masked(run: Run) -> list:
     return found
 
 
-def spans_of(at: np.ndarray) -> str:
+def _placed(at: np.ndarray, stated: bool) -> str:
+    """"cache_position 5 .. 7" where the model call handed them, else "position 5" / "positions 5 .. 7"."""
     first, last = int(at.min()), int(at.max())
-    return str(first) if first == last else f"{first} .. {last}"
+    word = "cache_position" if stated else "position" if first == last else "positions"
+    return f"{word} {first}" if first == last else f"{word} {first} .. {last}"
 
 
 RULES = (
