@@ -56,3 +56,12 @@ def test_a_reference_attention_handed_in_is_another_call(tmp_path):
     status, found, report = traced(tmp_path, "nanochat_sdpa_fallback_window_pattern_ssl_chunked_prefill_kvcache_decode",
                                    False, Path(__file__).parent / "data" / "quiet_blind")
     assert status == 0 and not [f for f in found if f["code"] == "restarted-from-tail"], report
+
+
+def test_packed_segments_one_pass_each_is_the_datas_length(tmp_path):
+    """A packed LM runs one causal SDPA pass per sequence its cu_seqlens cut (a THD varlen kernel's stand-in); the
+    second batch of the same shape is cut 10/8/6 where the first was 13/7/4, so its first pass is shorter. Several
+    fresh passes of a site in one call are segments of the data, not a restart: quiet (NeMo#14437's fix, written
+    blind, said restarted-from-tail of the same shape before)."""
+    status, found, report = traced(tmp_path, "packed_segments_one_pass_each_lengths_vary", False, RESTARTED)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report

@@ -11,7 +11,9 @@ cache from that one token, and every forecast of the new series attended 1 key i
 Read per batch row of the fresh pass: the tail rows it holds are the last of the earlier pass's rows, and the keys the
 earlier pass shows those rows before the tail are what the later one misses. Quiet where the shapes differ (a decode
 step, another length), where either pass reads a cache (keys beyond its queries), where the two calls state different
-padding (a model that drops pads from its pass), where the batch rows differ, and where the shorter pass is neither a
+padding (a model that drops pads from its pass), where the batch rows differ, where the earlier call ran its site as
+several fresh passes (one per packed segment, as a THD kernel's cu_seqlens cut them: their lengths are the data's,
+not the shapes'), and where the shorter pass is neither a
 single step nor followed by more steps of its site in the same call (a model that prunes tokens by their content runs
 one pass of its own length).
 """
@@ -39,11 +41,11 @@ def _padding(top) -> dict:
 
 
 def _firsts(run: Run, top) -> dict:
-    """{site: (its first call in `top`, how many calls the site makes in it)}."""
+    """{site: (its first call in `top`, how many calls the site makes in it, how many of them are fresh passes)}."""
     found: dict = {}
     for call in run.made_by(top):
-        held = found.get(call.where)
-        found[call.where] = (call, 1) if held is None else (held[0], held[1] + 1)
+        held = found.get(call.where) or (call, 0, 0)
+        found[call.where] = (held[0], held[1] + 1, held[2] + _fresh(call))
     return found
 
 
@@ -71,9 +73,9 @@ def restarted(run: Run) -> list:
         first_top, first_calls, padding = before
         if _padding(top) != padding:
             continue
-        for where, (call, count) in sorted(firsts.items(), key=lambda item: item[1][0].index):
+        for where, (call, count, _) in sorted(firsts.items(), key=lambda item: item[1][0].index):
             then = first_calls.get(where)
-            if then is None:
+            if then is None or then[2] > 1:  # the earlier ran one pass per packed segment: their lengths are the data's
                 continue
             one = then[0]
             n, m = call.shape[2], one.shape[2]
