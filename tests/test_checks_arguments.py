@@ -74,6 +74,9 @@ BUGS = [
     # ThilinaRajapakse/simpletransformers 53933d2 (written blind, batch blind-fy, caught before any rule was changed for
     # it): RepresentationModel._tokenize padded the batch and kept only input_ids, so BERT saw no attention mask
     ("simpletransformers_representation_model_attention_mask_not_passed", "padding-ignored"),
+    # massquantity/LibRecommender#359 (written blind, batch blind-ky; caught before any rule was changed for it): its
+    # multi_head_attention never handed the Keras MHA the padding and causal mask it built, so items saw pads and later ones
+    ("librecommender_transformer_decoder_layer_keras_mha_attention_mask_dropped", "mask-argument-dropped"),
 ]
 
 

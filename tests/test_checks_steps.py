@@ -40,6 +40,9 @@ BUGS = [
     # lightseekorg/tokenspeed#271 (written blind, batch blind-gw): a prefix-cache hit's extend ran its kernel non-causal
     # over a paged cache already holding the request's new keys: each new token saw the later ones of its request
     ("tokenspeed_mha_extend_with_kvcache_prefix_hit_not_causal", "causal-lost"),
+    # NVIDIA/Megatron-LM 9ddbac6b (written blind, batch blind-kz; caught before any rule was changed for it): TE's
+    # attention built with the causal mask type ran each KV-cache decode step top-left, so it saw the first key alone
+    ("megatron_core_te_kv_cache_decode_causal_mask_type", "top-left-mask"),
 ]
 STEPS = Path(__file__).parent / "data" / "caches"
 PREFILLROWS = Path(__file__).parent / "data" / "prefillrows"
