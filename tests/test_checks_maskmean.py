@@ -3,7 +3,8 @@ values are not 0 where the mask leaves them out, on a reproduction of a publishe
 the query's [MASK] tokens) and on the same bug written otherwise (a right-padded BERT's mean pooling, `torch.sum` over a
 clamped count), both fixes quiet; found_in against a loop over rows and positions. mean-counts-padding, its mirror: a mean over the
 positions of values zeroed at the padding (UER-py's sentence vectors, and a left-padded SDPA encoder's masked_fill),
-both fixes quiet."""
+both fixes quiet. mean-over-padding: a plain mean over the positions, nothing zeroed, of a batch whose padding the model
+call states (lobster's UME embedding, written blind; an nn.MultiheadAttention classifier), both fixes quiet."""
 
 from __future__ import annotations
 
@@ -136,3 +137,24 @@ def test_a_count_of_the_valid_positions_as_the_length_less_the_padding_flags():
     [said] = t.calls[-1].details["masked_mean"]
     assert said["row"] == 1 and said["positions"] == [3, 4]
     assert torch.allclose(good, torch.stack([x[0].mean(), x[1, :3].mean()])) and not torch.allclose(good, bad)
+
+
+def test_a_plain_mean_over_a_padded_batch_is_flagged_and_the_masked_mean_is_not(tmp_path):
+    """Written otherwise: nn.MultiheadAttention handed key_padding_mask, a residual and a feed-forward, then
+    `h.mean(dim=1)` over a right-padded batch (lengths 7, 4, 2 of 7). Against a loop over rows: the first row with real
+    and padded positions is row 1, its pads 4 .. 6."""
+    [hit] = check_bug(tmp_path, "mha_classifier_mean_pool_over_padding", "mean-over-padding", MASKMEAN)
+    lengths, width = [7, 4, 2], 7
+    row = next(r for r, n in enumerate(lengths) if 0 < n < width)
+    pads = [p for p in range(width) if p >= lengths[row]]
+    message = " ".join(hit["message"].split())
+    assert f"batch row {row}: a mean over axis 1 of a (3, 7, 16) tensor averages all {width} positions" in message
+    assert f"the padding at positions {', '.join(map(str, pads))} among them ({len(pads)} of {width})" in message
+    assert hit["expected"] == f"row {row}'s mean over its {width - len(pads)} real positions"
+
+
+def test_lobster_ume_embedding_mean_pooled_over_its_padding(tmp_path):
+    """prescient-design/lobster#149 (written blind): UME.embed pooled the encoder's padded output with
+    `embeddings.mean(dim=1)`; the fix sums over the attention_mask and divides by its count."""
+    [hit] = check_bug(tmp_path, "lobster_ume_embed_mean_pool_over_padding", "mean-over-padding")
+    assert "averages all 24 positions, the padding at positions 12," in " ".join(hit["message"].split())

@@ -57,6 +57,8 @@ def _counted(run: Run, call, mean: dict):
     said = resolve(call, run.top(call), seen)  # (the model call's statement; else the keys no query of the row sees)
     real = said.keys if said.source is not None else seen.any(axis=1)
     both = real.any(axis=1) & ~real.all(axis=1)
+    if not zeroed.any():  # (nothing zeroed: the pads' own values averaged in, where the model call states them)
+        return _over_padding(mean, real, both) if said.source is not None else None
     exact = both & (zeroed == ~real).all(axis=1)
     if not exact.any():
         return None
@@ -71,9 +73,27 @@ def _counted(run: Run, call, mean: dict):
         source="the positions zeroed before the mean: the attention call's padding", cell=(row, int(pads[0]), int(pads[0])))
 
 
+def _over_padding(mean: dict, real: np.ndarray, both: np.ndarray):
+    if not both.any():
+        return None
+    row = int(np.flatnonzero(both)[0])
+    length, pads = real.shape[1], np.flatnonzero(~real[row])
+    shown = ", ".join(str(p) for p in pads[:8]) + (", ..." if len(pads) > 8 else "")
+    return Finding("mean-over-padding", (
+        f"batch row {row}: a mean over axis 1 of a {tuple(mean['shape'])} tensor averages all {length} positions, the "
+        f"padding at position{'s' if len(pads) > 1 else ''} {shown} among them ({len(pads)} of {length}), which the "
+        f"model call states and the attention call before it masks: the pooled vector takes the pads' values and "
+        f"changes with the batch's padded length (sum over the real positions, divide by their count)"),
+        expected=f"row {row}'s mean over its {length - len(pads)} real positions",
+        source="the model call's stated padding", cell=(row, int(pads[0]), int(pads[0])))
+
+
 RULES = (
     Rule("mean-counts-masked", "wrong", "call", "a sum over a batch's positions divided by a 0/1 mask's sum over them "
          "(a masked mean) whose summed values are not 0 at positions the mask leaves out", masked_mean),
     Rule("mean-counts-padding", "wrong", "call", "a mean over a batch's positions of values zeroed at exactly the "
          "positions the attention call before it masks as padding (the padded length counted)", mean_padding),
+    Rule("mean-over-padding", "wrong", "call", "a mean over a batch's positions, nothing zeroed, that averages in the "
+         "padding its model call states and its attention masks (the pooled vector changes with the padded length)",
+         mean_padding),
 )

@@ -19,6 +19,8 @@ The mirror: a `mean` over axis 1 of a (B, L, D) float tensor (a pooling over the
 some row of it is exactly 0 at some positions and not at others (the program zeroed them, `output * mask`), the
 zeroed positions are recorded on the last attention call made (details `zero_mean`: checks/maskmean.py holds them to
 the positions that call masks as padding). UER-py#190: `torch.mean(output * seg, dim=1)`, the padded length counted.
+A mean over as many rows and positions as that call's self-attention with nothing zeroed is recorded there too: the
+padding's own values averaged in (checks/maskmean.py's mean-over-padding; lobster#149's `embeddings.mean(dim=1)`).
 """
 
 from __future__ import annotations
@@ -152,6 +154,9 @@ class MaskMean:
         zero = (x.detach() == 0).all(dim=-1).cpu().numpy()
         if (zero.any(axis=1) & ~zero.all(axis=1)).any():
             calls[-1].details.setdefault("zero_mean", []).append({"zeroed": zero, "shape": list(x.shape)})
+        elif not zero.any() and calls[-1].shape[0] == x.shape[0] and calls[-1].shape[2] == calls[-1].shape[3] == x.shape[1] \
+                and len(calls[-1].details.get("zero_mean") or ()) < 4:  # (nothing zeroed, over a self-attention's
+            calls[-1].details.setdefault("zero_mean", []).append({"zeroed": zero, "shape": list(x.shape)})  # positions)
 
     def _divided(self, num, den, out, calls: list) -> None:
         count, summed = self._found.get(id(den)), self.sums.get(id(num))
