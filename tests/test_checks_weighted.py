@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkbugs import check_bug, first
+from checkbugs import check_bug, first, traced
 
 WEIGHTED = Path(__file__).parent / "data" / "weighted"
 
@@ -21,10 +21,19 @@ def test_diskt_second_softmax_over_probabilities(tmp_path):
 def test_molecule_attention_transformer_adjacency_added_unmasked(tmp_path):
     """molecule-attention-transformer 23c9cbe: `attn + Lg * adjacency_mat` with the adjacency of the padded atoms
     unmasked (molecule b's 4 atoms padded to 7, near the origin where the pads sit): a real atom attends a padded one."""
-    found = check_bug(tmp_path, "molecule_attention_transformer_adjacency_not_masked_for_padded_atoms",
-                      "unmasked-after-softmax")
-    assert tuple(found[0]["cell"]) == (1, 0, 4)
-    assert "padding key" in found[0]["message"]
+    name = "molecule_attention_transformer_adjacency_not_masked_for_padded_atoms"
+    status, found, report = traced(tmp_path, name, False)
+    hits = [f for f in found if f["code"] == "unmasked-after-softmax" and f["severity"] == "wrong"]
+    assert status == 1 and hits, report
+    assert tuple(hits[0]["cell"]) == (1, 0, 4)
+    assert "padding key" in hits[0]["message"]
+    # the fix masks the adjacency; its head still pools `x.mean(dim=-2)` over every atom, molecule b's 3 padded ones
+    # among them (true of the upstream code at the fix: its prediction changes with the padded length)
+    status, found, report = traced(tmp_path, name, True)
+    wrong = [f for f in found if f["severity"] == "wrong"]
+    assert [f["code"] for f in wrong] == ["mean-over-padding"], report
+    assert "batch row 1: a mean over axis 1 of a (2, 7, 16) tensor averages all 7 positions, the padding at " \
+           "positions 4, 5, 6" in " ".join(wrong[0]["message"].split())
 
 
 def test_sharpened_weights_second_softmax_padded_batch(tmp_path):

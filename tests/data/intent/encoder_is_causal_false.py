@@ -41,7 +41,8 @@ class Embedder(torch.nn.Module):
     def forward(self, x, attention_mask):
         for layer in self.layers:
             x = x + layer(x, attention_mask)
-        return x.mean(1)
+        kept = attention_mask[..., None].to(x.dtype)
+        return (x * kept).sum(1) / kept.sum(1)  # (the real tokens' mean)
 
 
 torch.manual_seed(0)
