@@ -71,9 +71,6 @@ BUGS = [
     # agemagician/Ankh#24 again (fixed in commit 50f011f; written blind anew, batch blind-dv, caught before any rule was
     # changed for it): the README's feature extraction keeps only ['input_ids'] of the padded batch
     ("ankh_feature_extraction_readme_drops_attention_mask", "padding-ignored"),
-    # ThilinaRajapakse/simpletransformers 53933d2 (written blind, batch blind-fy, caught before any rule was changed for
-    # it): RepresentationModel._tokenize padded the batch and kept only input_ids, so BERT saw no attention mask
-    ("simpletransformers_representation_model_attention_mask_not_passed", "padding-ignored"),
     # massquantity/LibRecommender#359 (written blind, batch blind-ky; caught before any rule was changed for it): its
     # multi_head_attention never handed the Keras MHA the padding and causal mask it built, so items saw pads and later ones
     ("librecommender_transformer_decoder_layer_keras_mha_attention_mask_dropped", "mask-argument-dropped"),
@@ -1008,3 +1005,18 @@ def test_counts_on_against_a_loop():
 ])
 def test_optimum_habana_paths_that_drop_the_padding_are_flagged_and_their_fixes_are_not(tmp_path, name):
     check_bug(tmp_path, name, "padding-ignored")
+
+
+def test_simpletransformers_representation_model_attention_mask_not_passed(tmp_path):
+    """ThilinaRajapakse/simpletransformers 53933d2 (written blind, batch blind-fy, caught before any rule was changed
+    for it): RepresentationModel._tokenize padded the batch and kept only input_ids, so BERT saw no attention mask."""
+    name = "simpletransformers_representation_model_attention_mask_not_passed"
+    status, found, report = traced(tmp_path, name, False)
+    assert status == 1 and [f for f in found if f["code"] == "padding-ignored" and f["severity"] == "wrong"], report
+    # the fix hands the mask; its `combine_strategy="mean"` still pools `torch.mean(token_vectors, dim=1)` over every
+    # position, the second sentence's 11 pads among them (true of the upstream mean_across_all_tokens at the fix)
+    status, found, report = traced(tmp_path, name, True)
+    wrong = [f for f in found if f["severity"] == "wrong"]
+    assert [f["code"] for f in wrong] == ["mean-over-padding"], report
+    assert "batch row 1: a mean over axis 1 of a (3, 16, 32) tensor averages all 16 positions" in \
+        " ".join(wrong[0]["message"].split()), report
