@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from checkbugs import check_bug, traced
+from checkbugs import ROWS, caught, check_bug, traced
 from maskcli.checks.context import Run, Top
 from maskcli.checks.segments import cut_segments
 
@@ -98,3 +98,29 @@ def test_documents_are_judged_against_the_real_tokens_a_loop_counts():
     flat = [(b, q) for b in range(2) for q in range(4) if mask[b][q]]
     assert finding.code == "segments-cut" and finding.cell == (*flat[4], 0)
     assert "2 real tokens attend nothing" in finding.message
+
+
+def test_lobster_flash_cu_seqlens_count_rows_at_their_padded_length(tmp_path):
+    """prescient-design/lobster#105 (written blind, batch blind-la): UME's flash path flattened the padded batch and
+    set cu_seqlens = [0, L, 2L, ...], so each protein's residues attended its own pads (the flash stand-in a loop of one
+    softmax per document). The fix unpads first: its documents hold only real tokens."""
+    found = check_bug(tmp_path, "lobster_ume_flash_embed_cu_seqlens_span_padding", "documents-span-padding")
+    assert "document 1 of cu_seqlens [0, 24, 48, 72, 96] holds 12 tokens that attention_mask" in \
+        " ".join(found[0]["message"].split())
+
+
+def test_flat_encoder_one_block_diagonal_call_over_padded_documents(tmp_path):
+    """Written another way: one SDPA call over the flat batch with a block-diagonal mask from cu_seqlens [0, 6, 12,
+    18], rows of 6, 3 and 4 real tokens: the second sentence's token 6 attends its pad 9. The fix's documents are the
+    real lengths."""
+    hit = caught(tmp_path, "flat_encoder_cu_seqlens_at_padded_length", ("documents-span-padding",))
+    assert tuple(hit["cell"]) == (0, 6, 9)
+    assert "holds 3 tokens that attention_mask of FlatEncoder states are padding" in " ".join(hit["message"].split())
+
+
+def test_causal_documents_whose_padding_follows_their_tokens_are_quiet(tmp_path):
+    """The same collator under causal layers: a right-padded row's pads come after its real tokens, so no real token
+    attends one (only pads see pads). Quiet on both runs."""
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, "flat_encoder_cu_seqlens_at_padded_length", fixed, ROWS, ("--causal",))
+        assert status == 0 and not [f for f in found if f["code"] == "documents-span-padding"], report

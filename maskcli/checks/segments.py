@@ -21,13 +21,24 @@ CLIP text encoder handed OpenCLIP's additive causal mask (1, 1, S, S) to the FLA
 query row as a key padding mask (`>= 0`: one key), so the varlen kernel ran over one token of the first prompt. Quiet
 where the documents cover every real token (packed, unpadded), where the layer was handed another shape than the model
 call's ids (a decode step, a pruned sequence), and where the padding is only guessed.
+
+And the bug the other way round: the documents cover the padding. A model call handed the batch flattened onto one
+token axis (THD: `input_ids` and `attention_mask` of (B·L,)) states which of those tokens are padding; a varlen call's
+documents (its cu_seqlens, over as many tokens) that hold padding let the document's real queries attend it, wherever
+the kernel does not hide it (not causal, or the padding before them). prescient-design/lobster#105 (written blind, batch
+blind-la): UME's flash path counted every row at its padded length (`cu_seqlens = [0, L, 2L, ...]`), so each protein's
+residues attended its own pads. Read from the calls themselves (a varlen call over all the tokens, or one call per
+document in order): quiet where the documents hold no padding (unpadded first, the fix), where only padding queries see
+it, and where the model call states no flat mask of the documents' length.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run
+from types import SimpleNamespace
+
+from maskcli.checks.context import Run, keep
 from maskcli.checks.held import readings
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
@@ -127,9 +138,76 @@ def uncovered(run: Run, done_calls: set) -> list:
     return found
 
 
+def _flat(top, total: int) -> tuple[np.ndarray, str] | None:
+    """(bool (total,) real tokens, the argument that says it) a model call states over a flat token axis of `total`
+    tokens (its 1-D masks or ids, read as one row by checks/real.stated), outright only; None where it states none."""
+    if top is None:
+        return None
+    arguments = {name: value.reshape(1, -1) if isinstance(value, np.ndarray) and value.shape == (total,) else value
+                 for name, value in top.arguments.items()}
+    if not any(isinstance(value, np.ndarray) and value.shape == (total,) for value in top.arguments.values()):
+        return None
+    said = stated(SimpleNamespace(arguments=arguments, where=top.where), 1, total)
+    return (said[0].reshape(-1), said[1]) if said is not None and said[2] else None
+
+
+def _spans(calls: list, cu: np.ndarray) -> list:
+    """(call, first token) of a site's calls in one model call laid over the documents: one call over all the tokens,
+    or one per document in their order (per layer pass); [] where they lie otherwise."""
+    total, lengths = int(cu[-1]), [int(x) for x in np.diff(cu)]
+    if all(call.shape[2] == call.shape[3] == total for call in calls):
+        return [(call, 0) for call in calls]
+    if len(calls) % len(lengths) or any(call.shape[2] != call.shape[3] or call.shape[2] != lengths[i % len(lengths)]
+                                        for i, call in enumerate(calls)):
+        return []
+    return [(call, int(cu[i % len(lengths)])) for i, call in enumerate(calls)]
+
+
+def padded_documents(run: Run) -> list:
+    """Varlen calls (or one call per document) whose real queries see keys the model call states are padding on the
+    flat token axis the documents cut."""
+    found, sites = [], {}
+    for call in run.calls:
+        documents = call.details.get("documents")
+        if documents and (covered := _covered(documents)) is not None \
+                and call.details.get("documents_over", int(covered[1][-1])) == int(covered[1][-1]):
+            sites.setdefault((run.top(call) and id(run.top(call)), call.where, covered[0]), []).append(call)
+    done = set()
+    for (_, where, name), calls in sites.items():
+        cu = calls[0].details["documents"][name]
+        said = _flat(run.top(calls[0]), int(cu[-1])) if where not in done else None
+        if said is None or said[0].all():
+            continue
+        real = said[0]
+        for call, start in _spans(calls, cu):
+            cells = keep(call)
+            if cells is None:
+                continue
+            span = real[start:start + call.shape[3]]
+            bad = cells.any(axis=(0, 1)) & span[:, None] & ~span[None, :]
+            if not bad.any():
+                continue
+            q, k = (int(x) for x in np.argwhere(bad)[0])
+            doc = int(np.searchsorted(cu, start + q, side="right")) - 1
+            pads = int((~real[int(cu[doc]):int(cu[doc + 1])]).sum())
+            done.add(where)
+            found.append((call, Finding("documents-span-padding", (
+                f"document {doc} of {name} {cu.tolist()[:8]}{'...' if len(cu) > 8 else ''} holds {pads} tokens that "
+                f"{said[1]} states are padding, and its real token {start + q} attends "
+                f"padding token {start + k}: a varlen kernel attends every token of a document, so the lengths must be "
+                f"the real tokens' (unpad the batch first, as flash-attn's unpad_input does), not the padded rows'"),
+                expected="documents over the real tokens only", source=f"{name} at {where}, and {said[1]}",
+                cell=(0, q, k))))
+            break
+    return found
+
+
 RULES = (
     Rule("segments-cut", "wrong", "steps", "a padded batch attended one sequence per call (a varlen kernel's segments) "
          "over fewer tokens than the padding the program holds gives its rows: the unpadding read another mask "
          "(Whisper's FA2 path sliced to num_heads columns), or documents that cover fewer tokens than the model call "
          "states real", cut_segments),
+    Rule("documents-span-padding", "wrong", "call", "a varlen call's documents (cu_seqlens) hold tokens the model call "
+         "states are padding on its flat token axis, and real queries attend them (lobster#105: every row counted at "
+         "its padded length)", padded_documents),
 )
