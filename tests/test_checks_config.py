@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import maskcli
-from checkbugs import check_bug, first, traced
+from checkbugs import caught, check_bug, first, traced
 from maskcli.checks.config import Placed, layer_kind, real
 from maskcli.checks.real import slack_dropped
 from maskcli.checks.registry import severity
@@ -707,3 +707,22 @@ def test_a_transformer_xl_same_length_mask_is_a_window_of_mem_len_against_a_loop
             kept = [k for k in range(klen) if not hidden[i, k]]
             position = mlen + i
             assert kept == [k for k in range(klen) if position - mem_len < k <= position]
+
+
+def test_vllm_group_spec_window_on_global_layers(tmp_path):
+    """vllm-project/vllm#51756 (written blind, batch blind-gu): with the hybrid KV cache manager
+    off, sliding and global layers shared one group whose merged spec kept the window, and FlashAttentionImpl preferred
+    the step metadata's window over the layer's own: the global layer 1 slid over 4 keys. The program's `config =
+    Config()` states layer_types; the step's FlashAttentionMetadata (sliding_window (3, 0)) and CommonAttentionMetadata
+    carry fields of the same names: what the program did, not its statement (trace/configvars.py)."""
+    found = check_bug(tmp_path, "vllm_group_spec_window_applied_to_global_layers", "window-on-full-layer")
+    assert "layer 1 is a full-attention layer (layer_types[1], config (Config) in main()" in \
+        " ".join(found[0]["message"].split())
+
+
+def test_a_step_info_object_carrying_the_window_beside_a_config_dict(tmp_path):
+    """Written another way: a serving loop's per-step `StepInfo(sliding_window=3, causal=True)` beside the
+    `model_config` dict at the program's top (layer_types: sliding, full); every layer masks with the step's window,
+    so the full layer 1 slides. The fix masks with each layer's own window."""
+    hit = caught(tmp_path, "engine_step_info_window_on_every_layer", ("window-on-full-layer",))
+    assert "layer 1 is a full-attention layer (layer_types[1], model_config (dict)" in " ".join(hit["message"].split())

@@ -21,6 +21,9 @@ from maskcli.checks.intent import NAMES, NUMBERS, Stated, said_by_another
 from maskcli.checks.intent import config_like as _config_like
 from maskcli.checks.intent import fields_of as _fields_of
 from maskcli.trace.chunksizes import chunk_sizes
+from maskcli.trace.configvars import config_named as _config_named
+from maskcli.trace.configvars import json_object as _json_object
+from maskcli.trace.configvars import same_fields as _same_fields
 from maskcli.trace.framebudget import frame_blocks, frame_budget
 from maskcli.trace.owndecoder import own_decoders
 from maskcli.trace.ownwindow import own_windows
@@ -337,16 +340,26 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
         name = getattr(module, "__file__", None) or ""
         if name and not name.startswith(skip):
             places.append((f"at the top of {os.path.basename(name)}", vars(module)))
-    found, seen, plain = [], set(), []
+    found, seen, plain, named = [], set(), [], []
     for where, variables in places:
         for variable, value in list(variables.items()):
             try:
                 if _variable(variable, value, variables, where, anything, seen, besides, found):
                     plain.append(not anything or config_like(value))
+                    named.append(_config_named(variable, value))
             except (Exception, SystemExit):  # noqa: BLE001 - an object whose every attribute raises (its __class__): it states nothing
                 continue
-    found = [one for one in found if not said_by_another(one.fields, [other.fields for other in found])]  # (a copy)
+    kept = [i for i, one in enumerate(found) if not said_by_another(one.fields, [other.fields for other in found])]
+    found, plain, named = [found[i] for i in kept], [plain[i] for i in kept], [named[i] for i in kept]  # (a copy)
     distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
+    if len(distinct) > 1 and any(named):
+        # a step's runtime objects that carry a field of the same name (vLLM's CommonAttentionMetadata `causal`, its
+        # FlashAttentionMetadata `sliding_window` in the kernel's (W - 1, 0)) beside the one variable the program
+        # names a config (`config = Config()`): the config is the statement, the metadata what the program did
+        named_found = [one for one, is_named in zip(found, named) if is_named]
+        if len({repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in named_found}) == 1:
+            found, plain = named_found, [True] * len(named_found)
+            distinct = {repr(sorted((k, repr(v)) for k, v in found[0].fields.items()))}
     if len(distinct) > 1 and anything:
         # an engine's layer or backend object (taken only as `anything`) holds the window in its kernel's convention,
         # converted from the model's config (vLLM's FlashAttentionImpl: sliding_window = (W - 1, 0)): the one config
@@ -374,27 +387,3 @@ def _variable(variable: str, value, variables: dict, where: str, anything: bool,
         found.append(Stated(f"{variable} ({kind}) {where}", None, fields))
         return True
     return False
-
-
-def _same_fields(a: dict, b: dict) -> bool:
-    """Two configs' fields are equal (the one config a module holds, found again among the program's variables)."""
-    try:
-        return bool(a == b)
-    except (Exception, SystemExit):  # noqa: BLE001 - values that do not compare (arrays): not the same
-        return False
-
-
-def _json_object(text: str) -> dict | None:
-    """The dict a JSON object's text holds where it names one of the attention fields (a config.json the program keeps
-    as text); None for any other string (read only where it starts with "{" and is short)."""
-    import json
-
-    from maskcli.checks.intent import FIELDS
-
-    if len(text) > 100_000 or not text.lstrip().startswith("{") or not any(f'"{name}"' in text for name in FIELDS):
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
