@@ -726,3 +726,21 @@ def test_a_step_info_object_carrying_the_window_beside_a_config_dict(tmp_path):
     so the full layer 1 slides. The fix masks with each layer's own window."""
     hit = caught(tmp_path, "engine_step_info_window_on_every_layer", ("window-on-full-layer",))
     assert "layer 1 is a full-attention layer (layer_types[1], model_config (dict)" in " ".join(hit["message"].split())
+
+
+def test_llamacpp_iswa_base_cache_masks_global_layers_with_swa(tmp_path):
+    """ggml-org/llama.cpp#15811 (written blind, batch blind-ko): the kq_mask asked the model-wide
+    `hparams.is_masked_swa`, so the iSWA model's non-SWA cache slid its global layers too. llama_hparams states the
+    window as `n_swa` (standard swa_type) and each layer's kind as `swa_layers` (checks/fieldnames.py): layer 2, whose
+    swa_layers entry is False, slid over 4 keys. The fix passes each cache its own window."""
+    found = check_bug(tmp_path, "llamacpp_iswa_base_cache_masks_global_layers_with_swa", "window-on-full-layer")
+    assert "layer 2 is a full-attention layer (swa_layers, self.hp of llm_build_gemma3_iswa (llama_hparams))" in \
+        " ".join(found[0]["message"].split())
+
+
+def test_a_gguf_runner_hands_one_swa_mask_to_every_layer(tmp_path):
+    """Written another way: a runner's `hparams` dict at the program's top with llama.cpp's names (n_swa 3, swa_type 1,
+    swa_layers True, False, True, False), one kq mask built from n_swa handed to every layer of one loop: layer 1
+    slides. The fix builds each layer's from its swa_layers entry."""
+    hit = caught(tmp_path, "gguf_runner_swa_on_every_layer", ("window-on-full-layer",))
+    assert "layer 1 is a full-attention layer (swa_layers, hparams (dict) at the top of" in " ".join(hit["message"].split())

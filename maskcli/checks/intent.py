@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from maskcli.checks.configread import LIBRARIES, MISSING, StaticView, dynamic, read  # noqa: F401 - (read from here too)
 from maskcli.checks.configread import added as _added
+from maskcli.checks.fieldnames import other_names
 
 FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset", "mem_len",
          "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own", "chunk_right", "chunk_scope",
@@ -107,9 +108,7 @@ def fields_of(value) -> dict:
                       and type(items[name]) is int), None)
         if named is not None:
             found["sliding_window_size"], found["window_field"] = items[named], named
-    if "sliding_window" not in found and items.get("same_length") is True and type(items.get("mem_len")) is int \
-            and items["mem_len"] > 0 and items.get("attn_type", "uni") == "uni":  # (Transformer-XL's: every query sees
-        found["sliding_window"], found["window_said"] = items["mem_len"], "mem_len"  # mem_len keys, itself the last)
+    other_names(items, found)  # (Transformer-XL's mem_len, llama.cpp's n_swa and swa_layers: fieldnames.py)
     text = items.get("text_config")
     unset = _bidirectional_unset(value, items, text)
     if unset is not None:
@@ -207,8 +206,9 @@ class Intent:
             del self.values[name]
         self.renamed = {"sliding_window_size": one.fields["window_field"] for one in stated  # (said by its own name)
                         if one.fields.get("window_field") and self.sources.get("sliding_window_size") == one.source}
-        self.renamed.update({"sliding_window": one.fields["window_said"] for one in stated if one.fields.get("window_said")
-                             and self.sources.get("sliding_window") == one.source})
+        self.renamed.update({name: one.fields[said] for name, said in (("sliding_window", "window_said"), (
+            "sliding_window_layers", "layers_said")) for one in stated if one.fields.get(said) and self.sources.get(name) == one.source})
+        self.sources.update({said: self.sources[name] for name, said in self.renamed.items() if name in self.sources})
         self.transformers = any(one.fields.get("transformers") for one in stated)
         inner = max((one for one in stated if one.fields.get("transformers")), key=lambda one: len(one.scope or ""), default=None)
         self.added = set() if inner is None else {name for name in inner.fields.get("added", ()) if name in self.values
@@ -313,7 +313,8 @@ class Intent:
                 chosen = index < len(layers) and layers[index]
             else:
                 chosen = index in self._sliding_layers(layers)
-            return ("sliding_attention" if chosen else "full_attention"), "sliding_window_layers", False
+            return ("sliding_attention" if chosen else "full_attention"), self.renamed.get(
+                "sliding_window_layers", "sliding_window_layers"), False
         most = self.values.get("max_window_layers")
         if sliding and self.slides is not None and not (self.transformers and isinstance(most, int)):
             # the layer's own word (its is_sliding, its sliding_window: trace/ownwindow.py) over sliding_window alone and

@@ -1,0 +1,37 @@
+"""A window stated under another project's field names, read as the names checks/intent.py reads.
+
+Transformer-XL's `mem_len` with `same_length=True` and `attn_type` "uni": every query sees mem_len keys, itself the
+last (a sliding window of mem_len). llama.cpp's `llama_hparams` (and its Python ports): `n_swa` the window of its
+standard SWA (`is_masked_swa`: masked where p1 - p0 >= n_swa, so a query sees n_swa keys, itself among them; the
+chunked type's n_swa is a chunk size, not a window, and the NONE type slides not at all) and `swa_layers` one bool a
+layer (`is_swa(il)`), which is sliding_window_layers' bool form.
+"""
+
+from __future__ import annotations
+
+STANDARD = 1  # llama.cpp's LLAMA_SWA_TYPE_STANDARD (NONE 0, CHUNKED 2, SYMMETRIC 3)
+
+
+def _standard(kind) -> bool:
+    """llama.cpp's swa_type says the standard (causal) sliding window: its int, or an enum member named so; absent
+    (a port that keeps n_swa alone) it is."""
+    if kind is None:
+        return True
+    if type(kind) is int:
+        return kind == STANDARD
+    return str(getattr(kind, "name", kind)).upper().endswith("STANDARD")
+
+
+def other_names(items: dict, found: dict) -> None:
+    """Add to `found` (the fields read under checks/intent.py's names) what `items` states under the other names
+    above, where the names it reads state nothing of it; `window_said` names the field the window came from."""
+    if "sliding_window" not in found and items.get("same_length") is True and type(items.get("mem_len")) is int \
+            and items["mem_len"] > 0 and items.get("attn_type", "uni") == "uni":
+        found["sliding_window"], found["window_said"] = items["mem_len"], "mem_len"
+    swa = items.get("n_swa")
+    if "sliding_window" not in found and type(swa) is int and swa > 0 and _standard(items.get("swa_type")):
+        found["sliding_window"], found["window_said"] = swa, "n_swa"
+        layers = items.get("swa_layers")
+        if "sliding_window_layers" not in found and isinstance(layers, (list, tuple)) and layers \
+                and all(isinstance(x, bool) for x in layers):
+            found["sliding_window_layers"], found["layers_said"] = list(layers), "swa_layers"
