@@ -124,3 +124,25 @@ def test_causal_documents_whose_padding_follows_their_tokens_are_quiet(tmp_path)
     for fixed in (False, True):
         status, found, report = traced(tmp_path, "flat_encoder_cu_seqlens_at_padded_length", fixed, ROWS, ("--causal",))
         assert status == 0 and not [f for f in found if f["code"] == "documents-span-padding"], report
+
+
+def test_gemma2_flash_sliding_layer_slices_the_prefill_mask(tmp_path):
+    """huggingface/transformers#32522 (written blind, batch blind-ld): Gemma 2's flash path cut the padding mask to its
+    last sliding_window columns with no cache, so the sliding layer unpadded rows of 12 and 9 tokens with a (2, 4)
+    mask: one call per row over 4 and 1 tokens (the flash stand-in puts the heads on the batch axis)."""
+    name = "transformers_gemma2_fa2_sliding_layer_slices_prefill_mask"
+    status, found, report = traced(tmp_path, name, False)
+    cut = [f for f in found if f["code"] == "segments-cut" and f["severity"] == "wrong"]
+    assert status == 1 and cut, report
+    assert "over [4, 1] tokens" in cut[0]["message"] and "[12, 9] real tokens" in " ".join(cut[0]["message"].split())
+    # the fix as 4.44.2 shipped it hands flash window_size=(W, W): one key too many, transformers#39408's, true
+    status, fixed, report = traced(tmp_path, name, True)
+    assert {f["code"] for f in fixed if f["severity"] == "wrong"} == {"window-off-by-one"}, report
+
+
+def test_a_row_loop_whose_sliding_layer_unpads_with_its_windowed_mask(tmp_path):
+    """Written another way: a loop over batch rows (heads on the loop's batch axis) whose sliding layer takes each
+    row's length from `attention_mask[:, -window:]`: rows of 10 and 7 tokens run over 4 and 1. The fix unpads with the
+    whole mask."""
+    hit = caught(tmp_path, "per_row_loop_lengths_from_windowed_mask", ("segments-cut",))
+    assert "over [4, 1] tokens" in hit["message"] and "[10, 7] real tokens" in " ".join(hit["message"].split())
