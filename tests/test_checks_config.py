@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import maskcli
-from checkbugs import caught, check_bug, first, traced
+from checkbugs import ROWS, caught, check_bug, first, traced
 from maskcli.checks.config import Placed, layer_kind, real
 from maskcli.checks.real import slack_dropped
 from maskcli.checks.registry import severity
@@ -744,3 +744,30 @@ def test_a_gguf_runner_hands_one_swa_mask_to_every_layer(tmp_path):
     slides. The fix builds each layer's from its swa_layers entry."""
     hit = caught(tmp_path, "gguf_runner_swa_on_every_layer", ("window-on-full-layer",))
     assert "layer 1 is a full-attention layer (swa_layers, hparams (dict) at the top of" in " ".join(hit["message"].split())
+
+
+def test_qwen2_mask_slides_though_use_sliding_window_is_false(tmp_path):
+    """huggingface/transformers#38002 (fixed by #38045; written blind, batch blind-ld, caught before any rule was
+    changed for it): Qwen2's 4-D mask added the sliding band whenever config.sliding_window was set, though
+    use_sliding_window=False, as Qwen2 checkpoints ship: every layer hid the older tokens of a left-padded generate."""
+    check_bug(tmp_path, "transformers_qwen2_mask_ignores_use_sliding_window_false", "window-on-full-layer")
+
+
+def test_fms_gpt_oss_window_added_in_place_to_the_shared_mask(tmp_path):
+    """foundation-model-stack c55e59e5 (written blind, batch blind-le): gpt-oss's sink attention added its sliding
+    band into the one mask every layer shares (`mask += torch.tril(...)`, the caller's view), so the full layers slid
+    too. Its scores join the sink column, then shift each row by its max before the softmax: the sink is followed
+    through the shift (trace/scores.py), so the calls are read over their keys alone."""
+    found = check_bug(tmp_path, "fms_gpt_oss_sinks_sliding_window_added_in_place_to_shared_mask", "window-on-full-layer")
+    assert "layer 1 is a full-attention layer (layer_types[1], self.config of base_model (GptOssConfig))" in \
+        " ".join(found[0]["message"].split())
+
+
+def test_a_sliding_layer_fills_the_shared_bias_in_place_behind_sink_columns(tmp_path):
+    """Written another way: a NamedTuple's layer_types, one causal bias handed to every layer, the sliding layers'
+    `masked_fill_` on it, a per-head sink joined with torch.cat and the row max subtracted: the full layer 1 sees a
+    window of 3. The fix fills a copy; its calls are (1, 2, 8, 8), the sink column left out."""
+    hit = caught(tmp_path, "shared_mask_window_filled_in_place_with_sinks", ("window-on-full-layer",))
+    assert "layer 1 is a full-attention layer (layer_types[1], cfg (Settings)" in " ".join(hit["message"].split())
+    _, _, report = traced(tmp_path, "shared_mask_window_filled_in_place_with_sinks", True, ROWS)
+    assert "(1,2,8,8)  causal" in report and "(1,2,8,9)" not in report, report

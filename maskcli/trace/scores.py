@@ -1,16 +1,14 @@
 """Which softmax is attention: the one over scores that came from q @ kᵀ, or whose shape says so.
 
-A model's last softmax is over its logits (B, T, vocab), which is no attention call
-(minGPT's generate, a sampling loop). So while tracing, the outputs of matmul, bmm,
-baddbmm and einsum of two batched operands (q @ kᵀ: both at least 3-D, where a
-projection's weight is 2-D), and of mm / matmul of two 2-D tensors neither of which is a parameter (one unbatched
-sequence's q @ kᵀ, a graph's nodes: read (1, 1, Lq, Lk)), are remembered by identity, and so is every tensor computed
-from one of them that keeps its last two dimensions (the scaling, masked_fill, an added
-mask or bias, a cast): a softmax over one of those is attention. A softmax over a tensor
-maskcli saw no matmul make (scores built by hand, or made before the trace began) is
-attention where its shape says so: 4-D (B, H, Lq, Lk), or 3-D with as many queries as keys. Scores in another axis
-order that their einsum states, or that the program permuted (Transformer-XL's (Lq, Lk, B, H)), carry that order
-(layouts.py): a softmax over their keys is read through a permuted view.
+A model's last softmax is over its logits (B, T, vocab), which is no attention call (minGPT's generate, a sampling
+loop). So while tracing, the outputs of matmul, bmm, baddbmm and einsum of two batched operands (q @ kᵀ: both at least
+3-D, where a projection's weight is 2-D), and of mm / matmul of two 2-D tensors neither of which is a parameter (one
+unbatched sequence's q @ kᵀ, a graph's nodes: read (1, 1, Lq, Lk)), are remembered by identity, and so is every tensor
+computed from one of them that keeps its last two dimensions (the scaling, masked_fill, an added mask or bias, a cast):
+a softmax over one of those is attention. A softmax over a tensor maskcli saw no matmul make (scores built by hand, or
+made before the trace began) is attention where its shape says so: 4-D (B, H, Lq, Lk), or 3-D with as many queries as
+keys. Scores in another axis order that their einsum states, or that the program permuted (Transformer-XL's
+(Lq, Lk, B, H)), carry that order (layouts.py): a softmax over their keys is read through a permuted view.
 """
 
 from __future__ import annotations
@@ -147,8 +145,10 @@ class Scores:
                     biased = self.biased.get(id(x), ()) if self.biased or func in ADDS else None  # (read before
                     # _note: an in-place add's `out` is `x`)
                     fold = self.folds.get(id(x)) if self.folds and axes is None else None  # (read first: an in-place
-                    part = self.tiles.get(id(x)) if self.tiles and axes is None else None
+                    part, sink = (None if not held or axes is not None else held.get(id(x)) for held in (self.tiles, self.sinks))
                     self._note(out, axes)  # op's `out` is `x`, whose entry _note clears, FastPitch's attn_score.mul_)
+                    if sink is not None and sink[0]() is x:  # (a sink joined, then shifted: gpt-oss's QK - QK.max)
+                        self.sinks[id(out)] = (weakref.ref(out), sink[1])
                     if fold is not None:
                         self.folds[id(out)] = fold  # (the mask added to folded scores: folded alike)
                     if part is not None:
