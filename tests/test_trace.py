@@ -778,6 +778,32 @@ def test_a_softmax_written_by_hand_with_exp_over_scores_is_one_call_and_other_ex
     assert np.array_equal(t.calls[1].keep()[1, 0], causal.numpy())
 
 
+def test_a_softmax_by_hand_over_einsum_scores_laid_query_first_is_read_over_their_keys():
+    """exp over scores an einsum lays out (Lq, H, Lk) (sglang-jax's native backend, "qhd,khd->qhk", its rows shifted
+    by their max and divided by their sum) is one call, read through the permuted view (H, Lq, Lk) as a softmax over
+    them is (3-D: the heads on the batch axis): its keep is each query's keys by a double loop over the packed
+    requests' lengths."""
+    torch.manual_seed(0)
+    lengths = [3, 2]  # two requests packed along one token axis, each causal over its own tokens
+    total = sum(lengths)
+    allowed = torch.zeros(total, total, dtype=torch.bool)
+    start = 0
+    for n in lengths:
+        for i in range(n):
+            for j in range(i + 1):
+                allowed[start + i, start + j] = True
+        start += n
+    q, k = torch.randn(total, 2, 8), torch.randn(total, 2, 8)
+    with maskcli.trace() as t, torch.no_grad():
+        logits = torch.einsum("qhd,khd->qhk", q, k) / 8 ** 0.5
+        logits = torch.where(allowed[:, None, :], logits, torch.tensor(torch.finfo(logits.dtype).min))
+        e = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+        e / e.sum(dim=-1, keepdim=True)
+    assert [c.shape for c in t.calls] == [(2, 1, total, total)]
+    for head in range(2):
+        assert np.array_equal(t.calls[0].keep()[head, 0], allowed.numpy())
+
+
 def test_one_querys_scores_squeezed_to_b_lk_are_attention_and_a_classifiers_are_not():
     """maskcli.trace.scores: bmm(memory, h[:, :, None]).squeeze(2) (Luong) is one query's (B, Lk) scores, read as a
     call (B, 1, 1, Lk) through its masked_fill; a (B, C) softmax over a classifier's logits is no call."""

@@ -329,9 +329,8 @@ def softmax_input(args: tuple, kwargs: dict):
 
 
 def softmax(args: tuple, kwargs: dict) -> Seen | None:
-    """A softmax over the last dimension of a 3-D or 4-D tensor: the scores of eager attention, masked where -inf
-    or the dtype's lowest value (masked_fill and Hugging Face's eager path), or a finite fill (_finite_fill).
-    None for any other softmax."""
+    """A softmax over the last dimension of a 3-D or 4-D tensor: the scores of eager attention, masked where -inf or the
+    dtype's lowest value (masked_fill and Hugging Face's eager path), or a finite fill (_finite_fill); else None."""
     x = softmax_input(args, kwargs)
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3, 4, 5) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
@@ -369,16 +368,15 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     return seen
 
 
-def exp_softmax(args: tuple, kwargs: dict) -> Seen | None:
-    """exp of attention scores: a softmax written by hand (ONNX's reference `exp(x - max(x)) / sum`), read as the
-    softmax over its input's last dimension. Only called on tensors scores.py saw made from q @ kᵀ (capture.py), in
-    their plain axis order (exp states no axis: scores laid out otherwise, layouts.py, are not read here)."""
+def exp_softmax(args: tuple, kwargs: dict, axes: tuple | None = None) -> Seen | None:
+    """exp of attention scores: a softmax written by hand (ONNX's reference `exp(x - max(x)) / sum`), read as one over
+    its input's last axis; on scores.py's q @ kᵀ only, those laid out otherwise (layouts.py) permuted by exp_reader."""
     x = softmax_input(args, kwargs)
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
         return None
     seen = softmax((x, -1), {})
     if seen is not None:
-        seen.details["by_hand"] = "exp"
+        seen.details.update(by_hand="exp", **({"axes": list(axes)} if axes else {}))  # (the permuted view read)
     return seen
 
 
@@ -387,9 +385,10 @@ def exp_reader(scores, weights=None):
     weights or what is made of them alone (trace/weights.py: AKT's distance decay), else no call."""
     def exp(args, kwargs):  # (seen only while the mode follows scores: exp is not patched at its entry)
         x = softmax_input(args, kwargs)
-        seen = exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) and scores.axes_of(x) is None \
-            and (weights is None or not weights.has(x)) else None
-        held = scores.shifted.get(id(x)) if seen is not None and scores.shifted else None
+        ours = isinstance(x, torch.Tensor) and scores.has(x) and (weights is None or not weights.has(x))
+        axes = scores.axes_of(x) if ours else None  # (an einsum's other order, sglang-jax's "qhd,khd->qhk": its keys')
+        seen = exp_softmax((x.permute(axes),) if axes else args, {} if axes else kwargs, axes) if ours else None
+        held = scores.shifted.get(id(x)) if seen is not None and scores.shifted and not axes else None
         if held is not None and held[0]() is x:  # (rows filled whole, then shifted by their max: trace/shifted.py)
             hide(seen, held[1])
         return seen
