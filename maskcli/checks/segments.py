@@ -106,6 +106,11 @@ def _covered(documents: dict) -> tuple[str, np.ndarray] | None:
     return None
 
 
+def _shown(cu: np.ndarray) -> str:
+    """Cumulative lengths as a list, its first 8 shown."""
+    return f"{cu.tolist()[:8]}{'...' if len(cu) > 8 else ''}"
+
+
 def _lengths(cu: np.ndarray) -> str:
     lengths = [int(x) for x in np.diff(cu)]
     return ", ".join(map(str, lengths[:6])) + (", ..." if len(lengths) > 6 else "")
@@ -134,8 +139,8 @@ def uncovered(run: Run, done_calls: set) -> list:
         ran = int(cu[-1])
         b, q = (int(x) for x in np.argwhere(real)[ran])  # (the first real token past those the documents cover)
         found.append((call, Finding("segments-cut", (
-            f"the varlen kernel at {call.where} ran over {ran} token{'s' if ran != 1 else ''} ({name} {cu.tolist()[:8]}"
-            f"{'...' if len(cu) > 8 else ''}: documents of {_lengths(cu)}), but the batch of {rows} rows it was handed "
+            f"the varlen kernel at {call.where} ran over {ran} token{'s' if ran != 1 else ''} ({name} {_shown(cu)}: "
+            f"documents of {_lengths(cu)}), but the batch of {rows} rows it was handed "
             f"holds {int(real.sum())} real tokens ({', '.join(map(str, per_row))} a row, by {said[1]}): "
             f"{int(real.sum()) - ran} real tokens attend nothing, their attention output left zero (query {q} of batch "
             f"row {b} among them); build the lengths from the batch's padding mask, not from another mask"),
@@ -198,7 +203,7 @@ def padded_documents(run: Run) -> list:
             pads = int((~real[int(cu[doc]):int(cu[doc + 1])]).sum())
             done.add(where)
             found.append((call, Finding("documents-span-padding", (
-                f"document {doc} of {name} {cu.tolist()[:8]}{'...' if len(cu) > 8 else ''} holds {pads} tokens that "
+                f"document {doc} of {name} {_shown(cu)} holds {pads} tokens that "
                 f"{said[1]} states are padding, and its real token {start + q} attends "
                 f"padding token {start + k}: a varlen kernel attends every token of a document, so the lengths must be "
                 f"the real tokens' (unpad the batch first, as flash-attn's unpad_input does), not the padded rows'"),
