@@ -77,6 +77,10 @@ def _finding(calls: list) -> Finding | None:
             continue
         rows = held["rows"].shape[0]
         length = int(held["rows"].max()) if held["kind"] == "lengths" else held["rows"].shape[-1]
+        given = calls[0].details.get("query_input")
+        if calls[0].shape[0] > 1 and (not given or tuple(given[:2]) != (rows, length)):
+            continue  # (heads on the batch axis: only the padding of the (B, L) batch its layer was handed, not a
+            # caption's lengths beside an image's tokens run one at a time, Lumina-Next's reference loop)
         tables = readings(held, rows, length) if rows == len(calls) else []
         if not tables:
             continue
