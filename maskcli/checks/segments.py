@@ -156,12 +156,11 @@ def uncovered(run: Run, done_calls: set) -> list:
 def _flat(top, total: int) -> tuple[np.ndarray, str] | None:
     """(bool (total,) real tokens, the argument that says it) a model call states over a flat token axis of `total`
     tokens (its 1-D masks or ids, read as one row by checks/real.stated), outright only; None where it states none."""
-    if top is None:
+    flat = set() if top is None else {name for name, value in top.arguments.items()
+                                      if isinstance(value, np.ndarray) and value.shape == (total,)}
+    if not flat:
         return None
-    arguments = {name: value.reshape(1, -1) if isinstance(value, np.ndarray) and value.shape == (total,) else value
-                 for name, value in top.arguments.items()}
-    if not any(isinstance(value, np.ndarray) and value.shape == (total,) for value in top.arguments.values()):
-        return None
+    arguments = {name: value.reshape(1, -1) if name in flat else value for name, value in top.arguments.items()}
     said = stated(SimpleNamespace(arguments=arguments, where=top.where), 1, total)
     return (said[0].reshape(-1), said[1]) if said is not None and said[2] else None
 
@@ -186,7 +185,7 @@ def padded_documents(run: Run) -> list:
         documents = call.details.get("documents")
         if documents and (covered := _covered(documents)) is not None \
                 and call.details.get("documents_over", int(covered[1][-1])) == int(covered[1][-1]):
-            sites.setdefault((run.top(call) and id(run.top(call)), call.where, covered[0]), []).append(call)
+            sites.setdefault((id(run.top(call)), call.where, covered[0]), []).append(call)
     done = set()
     for (_, where, name), calls in sites.items():
         cu = calls[0].details["documents"][name]

@@ -351,22 +351,26 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
                 continue
     kept = [i for i, one in enumerate(found) if not said_by_another(one.fields, [other.fields for other in found])]
     found, plain, named = [found[i] for i in kept], [plain[i] for i in kept], [named[i] for i in kept]  # (a copy)
-    distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
+    distinct = _distinct(found)
     if len(distinct) > 1 and any(named):
         # a step's runtime objects that carry a field of the same name (vLLM's CommonAttentionMetadata `causal`, its
         # FlashAttentionMetadata `sliding_window` in the kernel's (W - 1, 0)) beside the one variable the program
         # names a config (`config = Config()`): the config is the statement, the metadata what the program did
         named_found = [one for one, is_named in zip(found, named) if is_named]
-        if len({repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in named_found}) == 1:
-            found, plain = named_found, [True] * len(named_found)
-            distinct = {repr(sorted((k, repr(v)) for k, v in found[0].fields.items()))}
+        if len(named_distinct := _distinct(named_found)) == 1:
+            found, plain, distinct = named_found, [True] * len(named_found), named_distinct
     if len(distinct) > 1 and anything:
         # an engine's layer or backend object (taken only as `anything`) holds the window in its kernel's convention,
         # converted from the model's config (vLLM's FlashAttentionImpl: sliding_window = (W - 1, 0)): the one config
         # the program keeps as a config (a dict, a dataclass, a class named so) is the statement
         found = [one for one, config in zip(found, plain) if config]
-        distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
+        distinct = _distinct(found)
     return found[:1] if len(distinct) == 1 else []
+
+
+def _distinct(found: list) -> set:
+    """The different field sets among the Stated found (two copies of one config are one)."""
+    return {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
 
 
 def _variable(variable: str, value, variables: dict, where: str, anything: bool, seen: set, besides, found: list) -> bool:
