@@ -100,10 +100,13 @@ class PoolRows:
         from maskcli.trace.positionsat import _library  # (code no program wrote: an installed package's)
 
         self.outer = current
-        for module, frame, variables in found[1:-1]:
+        for at, (module, frame, variables) in enumerate(found[1:-1], start=1):
             if id(module) in self._seen or module is held[1]:
                 continue
             self._seen.add(id(module))
+            if _layer(module, found[at + 1][0]):
+                continue  # (a block of a ModuleList, a decoder's layer: its output is the next layer's input, no model
+                # call a program pools; followed, it kept the mode on over the rest of every forward)
             args, kwargs = variables.get("args", ()), variables.get("kwargs", {})
             try:
                 with unseen():
@@ -280,6 +283,15 @@ def _rows_seeing(mask):
     seeing.stated_by = "the 4-D attention_mask it was called with (where a query row sees no key)"
     seeing.said = "attention_mask"
     return seeing
+
+
+def _layer(module, parent) -> bool:
+    """`module` is one block of a ModuleList the module running around it holds (a model's layers)."""
+    try:
+        return any(type(child) is torch.nn.ModuleList and any(block is module for block in child)
+                   for child in parent.children())
+    except Exception:  # noqa: BLE001 - the program's modules
+        return False
 
 
 def _padded(mask) -> bool:
