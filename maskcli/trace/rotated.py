@@ -50,18 +50,25 @@ class Rotations:
                 if width >= 4 and width % 2 == 0 and not x.requires_grad and x.is_floating_point() \
                         and width == out.shape[-1] and x.shape[-2] == out.shape[-2] and x.numel() < out.numel() \
                         and y.shape == out.shape and x.device.type != "meta":
-                    cols = _columns(width)  # (a copy of four columns, left on its device: read, and synced, only
-                    with torch._C.DisableTorchFunction():  # at the next attention call; no mode sees the copy)
-                        self.held.append((tuple(x.shape), cols, x.detach()[..., cols]))
-                    return
+                    with torch._C.DisableTorchFunction():  # (the factor itself, its version beside it: four of its
+                        factor = x.detach()  # columns are read at the next attention call, where they are a pair's;
+                    self.held.append((tuple(x.shape), _columns(width), factor, factor._version))  # a factor changed
+                    return  # in place since is let go)
         except Exception:  # noqa: BLE001 - the program's product is computed already; nothing reaches it
             return
 
     def take(self, rows: int) -> list:
-        """The factors kept since the last call, of `rows` rows each (the call's queries); the rest let go."""
-        found = [entry for entry in self.held if entry[0][-2] == rows]
+        """The factors kept since the last call, of `rows` rows each (the call's queries), unchanged since; the rest
+        let go."""
+        found = [entry for entry in self.held if entry[0][-2] == rows and entry[2]._version == entry[3]]
         self.held.clear()
         return found
+
+
+def _kept(entry: tuple) -> torch.Tensor:
+    """A factor's four columns, as double on the CPU (no mode sees the copy)."""
+    with torch._C.DisableTorchFunction():
+        return entry[2][..., entry[1]].double().cpu()
 
 
 def _read(cos: torch.Tensor, sin: torch.Tensor, cols: list, width: int, freqs: tuple) -> torch.Tensor | None:
@@ -105,10 +112,10 @@ def note(details: dict, rotations: Rotations, walked, shape: tuple) -> None:
     if freqs is None:
         return
     for i in range(len(found) - 1):
-        (shape_c, cols, cos), (shape_s, _, sin) = found[i], found[i + 1]
+        (shape_c, cols, *_), (shape_s, *_) = found[i], found[i + 1]
         if shape_c != shape_s:
             continue
-        cos, sin = cos.double().cpu(), sin.double().cpu()
+        cos, sin = _kept(found[i]), _kept(found[i + 1])
         at = _read(cos, sin, cols, shape_c[-1], freqs)
         if at is None:
             continue
