@@ -59,6 +59,14 @@ def test_quiet_on_padded_blocks_a_rolling_window_and_per_token_lengths(tmp_path)
     assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report
 
 
+def test_quiet_on_requests_prefilled_alone_with_heads_on_the_batch_axis(tmp_path):
+    """Each request prefilled alone over a padded 64-slot buffer, its scores laid out (tokens, heads, keys) by an
+    einsum and read as (heads, 1, q, k); the metadata states each request's first query at 0 (sglang-jax's native
+    backend, written blind: top-left-mask read its prefills as decode steps of a 64-key cache)."""
+    status, found, report = traced(tmp_path, "engine_per_request_prefill_qhk_scores_over_padded_pool", False, QUIET)
+    assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report
+
+
 def test_a_window_field_that_is_no_window_keeps_no_request_quiet():
     """hunt 8: a metadata object's `sliding_window=nan` and `window_size=(-1, 'x')` were read as a stated window, so a
     request handed 3 of its 5 keys passed. A size above 0, or a layer kind other than full attention, is a window."""

@@ -4,7 +4,7 @@ Serving engines run a batch of requests through one forward and hand their atten
 each request's new tokens (`q_cu_seq_lens`, `cu_seqlens_q`, `query_start_loc`) and its keys, cached ones included
 (`kv_seq_lens`, `seq_lens`, `b_seq_len`, `cu_seqlens_k`), read from the program's frames by trace/reqlens.py. Where
 the calls made under one such statement are one per request (a kernel port looping over the batch, or a per-request
-backend), batch row 1 each, their query counts those the metadata states in its order, each request's call must be
+backend), batch row 1 each (or its heads on the batch axis), their query counts those the metadata states in its order, each request's call must be
 handed the keys it states: fewer, and the request's queries never see its cached prefix (xLLM#2161: the prefill of a
 prefix-cache hit attends only its new tokens); more, and its queries see keys past its own (stale slots, or another
 request's). The kernel's own arguments (the frame's variables) are what is checked, not what states: a kernel handed
@@ -22,6 +22,21 @@ from maskcli.text import Finding
 
 CODE = "request-keys-differ"
 WINDOWS = ("sliding_window", "window_size", "sliding_window_size", "attention_chunk_size", "layer_types")
+
+
+def one_sequence(call, alike: bool = True) -> bool:
+    """A call over one sequence: batch 1, or its heads laid on the batch axis (a flash stand-in's (H, 1, L, L), or a
+    (q, h, k) einsum's scores read as (h, 1, q, k)): one head a row, the heads' count stated, or (`alike`) every row's
+    cells alike."""
+    if call.shape[0] == 1:
+        return True
+    if call.shape[1] != 1:
+        return False
+    heads = call.details.get("stated_heads") or call.details.get("own_heads")
+    if heads == call.shape[0] or not alike:
+        return heads == call.shape[0]
+    cells = keep(call)
+    return cells is not None and bool((cells == cells[:1]).all())
 
 
 def _statement(call):
@@ -74,7 +89,7 @@ def requests(run: Run) -> list[tuple]:
     found = []
     for (queries, keys, source), calls in _groups(run):
         count = len(queries)
-        if len(calls) % count or any(call.shape[0] != 1 or call.shape[2] != queries[i % count]
+        if len(calls) % count or any(not one_sequence(call) or call.shape[2] != queries[i % count]
                                      for i, call in enumerate(calls)):
             continue  # (not one call per request in the statement's order: nothing says which call is which request)
         found += [(call, i % count, keys[i % count], source) for i, call in enumerate(calls)]

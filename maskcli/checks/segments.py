@@ -41,6 +41,7 @@ from types import SimpleNamespace
 from maskcli.checks.context import Run, keep
 from maskcli.checks.held import readings
 from maskcli.checks.real import stated
+from maskcli.checks.reqlens import one_sequence
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -52,19 +53,13 @@ def cut_segments(run: Run) -> list:
     for top in run.tops:
         sites: dict = {}
         for call in run.made_by(top):
-            if _one_sequence(call) and call.shape[2] == call.shape[3] and run.top(call) is top:
+            if one_sequence(call, alike=False) and call.shape[2] == call.shape[3] and run.top(call) is top:
                 sites.setdefault(call.where, []).append(call)
         for calls in sites.values():
             finding = _finding(calls)
             if finding is not None:
                 found.extend((call, finding) for call in calls)
     return found + uncovered(run, {call.index for call, _ in found})
-
-
-def _one_sequence(call) -> bool:
-    """A call over one sequence: batch 1, or its heads laid on the batch axis (a flash stand-in's (H, 1, L, L))."""
-    heads = call.details.get("stated_heads") or call.details.get("own_heads")
-    return call.shape[0] == 1 or call.shape[1] == 1 and heads == call.shape[0]
 
 
 def _finding(calls: list) -> Finding | None:

@@ -412,7 +412,7 @@ def main():
     with torch.no_grad():
         hyps, scores = model.recognize(speech, speech_lengths, beam_size=4)
     print("hyps", hyps.tolist())
-    print("scores", [round(s, 4) for s in scores.tolist()])
+    print("scores", [round(s, 2) for s in scores.tolist()])
 
 
 if __name__ == "__main__":
