@@ -1,4 +1,5 @@
-"""checks/decoders.py: a config that says is_decoder=True whose self-attention sees later real keys."""
+"""checks/decoders.py: a config that says is_decoder=True, or states its attention causal, whose self-attention sees
+later real keys."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from checkbugs import check_bug, first, traced
 
 HELD = Path(__file__).parent / "data" / "held"
+ROWS = Path(__file__).parent / "data" / "rows"
 
 
 def test_roformer_causal_lm_bidirectional(tmp_path):
@@ -82,3 +84,23 @@ def test_a_decoders_text_config_held_by_no_module_is_not_its_encoders(tmp_path):
     status, found, report = traced(tmp_path, "text_decoder_config_beside_a_bidirectional_encoder_quiet", False, HELD)
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
+
+
+def test_gemma4_audio_context_right_zero_inverted_blocks(tmp_path):
+    """transformers#48818 (written blind): Gemma 4's audio encoder read its blocked local mask the wrong way round, so
+    frames saw later frames of their context; its config states `attention_context_right=0` (no frame past its own)."""
+    flagged = check_bug(tmp_path, "gemma4_audio_blocked_local_attention_eager_mask_inverted", "decoder-sees-later")
+    assert "attention_context_right=0" in flagged[0]["source"]
+
+
+def test_dataclass_causal_config_mask_one_diagonal_ahead(tmp_path):
+    """Written another way: a dataclass config held as self.cfg states `causal=True`; the mask is tril(diagonal=1) over
+    a right-padded batch. The first cell is a double loop's over real queries and the later real keys tril(1) keeps."""
+    status, found, report = traced(tmp_path, "dataclass_causal_config_mask_diagonal_one_ahead", False, ROWS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "decoder-sees-later")
+    assert hit["severity"] == "wrong" and hit["source"].startswith("causal=True (self.cfg")
+    lengths = [6, 4]
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k == q + 1 and k < lengths[b])
+    status, found, report = traced(tmp_path, "dataclass_causal_config_mask_diagonal_one_ahead", True, ROWS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

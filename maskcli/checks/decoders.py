@@ -18,8 +18,9 @@ import re
 
 import numpy as np
 
-from maskcli.checks.context import Run, first_cell, keep, queries
-from maskcli.checks.intent import stated_for, transformers_config
+from maskcli.checks.context import Run, cross, first_cell, keep, queries
+from maskcli.checks.intent import intent, stated_for, transformers_config
+from maskcli.checks.own import one_chunk
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
@@ -48,6 +49,19 @@ def said_decoder(run: Run, call) -> str | None:
     return f"is_decoder=True ({inner.source})" if inner.fields["causal_decoder"] else None
 
 
+def said_causal(run: Run, call) -> str | None:
+    """The program's own config states the call's attention causal (checks/intent.py's Intent.causal: is_causal=True,
+    causal=True, attention_context_right=0, ...): not transformers' class defaults (unless the program set the field
+    itself), not an encoder-decoder's, nor a module that says itself not causal, a streaming chunk that sees itself whole
+    or cross-attention."""
+    stated = intent(run, call)
+    said = stated.causal()
+    if said is None or stated.decoder or stated.transformers and said not in stated.added or cross(call) \
+            or call.details.get("module_not_causal") or one_chunk(run, call):
+        return None
+    return stated.said(said)
+
+
 def decoder_sees_later(run: Run) -> list:
     """Self-attention calls of a model its config calls a decoder where a real query sees a later real key."""
     found, done, judged = [], {}, None
@@ -56,8 +70,10 @@ def decoder_sees_later(run: Run) -> list:
         if call.stored is None or q_len < 2:
             continue
         said = said_decoder(run, call)
-        if said is None:
+        causal = None if said is not None else said_causal(run, call)
+        if said is None and causal is None:
             continue
+        said = said or causal
         top = run.top(call)
         own = queries(call, top)
         key = (call.mask, call.shape, tuple(own), said, id(top))
@@ -71,17 +87,19 @@ def decoder_sees_later(run: Run) -> list:
             continue
         rows = by_row(cells, call.shape[0])
         real = resolve(call, top, rows)
-        later = rows & (np.arange(k_len)[None, None, :] > own[None, :, None]) & real.queries[:, :, None] \
-            & real.keys[:, None, :]
-        if not later.any():
-            continue
+        cells = real.queries[:, :, None] & real.keys[:, None, :]
+        later = rows & (np.arange(k_len)[None, None, :] > own[None, :, None]) & cells
+        if not later.any() or causal and np.array_equal(rows & cells, np.broadcast_to(cells, rows.shape)):
+            continue  # (a stated causal word over a call that masks no real cell at all: dropped.py's to say)
         judged = explained(run) if judged is None else judged
         if call.index in judged:
             continue
         b, q, k = first_cell(later)
+        words = (f"the program states its attention causal ({said}): the mask lets it see ahead" if causal else
+                 f"the program says this model is a decoder ({said}): a causal LM whose self-attention is built "
+                 f"bidirectional")
         done[key] = Finding("decoder-sees-later", (
-            f"batch row {b}: query {int(own[q])} sees the later key {k}, yet the program says this model is a "
-            f"decoder ({said}): a causal LM whose self-attention is built bidirectional ({int(later.sum())} such cells)"),
+            f"batch row {b}: query {int(own[q])} sees the later key {k}, yet {words} ({int(later.sum())} such cells)"),
             expected="causal", source=said, cell=(b, int(own[q]), k))
         found.append((call, done[key]))
     return found
@@ -89,6 +107,7 @@ def decoder_sees_later(run: Run) -> list:
 
 RULES = (
     Rule("decoder-sees-later", "wrong", "steps", "a real query that sees a later real key in a model whose config says "
-         "it is a decoder (is_decoder=True, not an encoder-decoder's whole config): its self-attention is causal",
+         "it is a decoder (is_decoder=True, not an encoder-decoder's whole config), or states its attention causal: "
+         "its self-attention is causal",
          decoder_sees_later),
 )

@@ -4,7 +4,9 @@ Transformer-XL's `mem_len` with `same_length=True` and `attn_type` "uni": every 
 last (a sliding window of mem_len). llama.cpp's `llama_hparams` (and its Python ports): `n_swa` the window of its
 standard SWA (`is_masked_swa`: masked where p1 - p0 >= n_swa, so a query sees n_swa keys, itself among them; the
 chunked type's n_swa is a chunk size, not a window, and the NONE type slides not at all) and `swa_layers` one bool a
-layer (`is_swa(il)`), which is sliding_window_layers' bool form.
+layer (`is_swa(il)`), which is sliding_window_layers' bool form. Gemma 3n's and Gemma 4's audio encoders'
+`attention_context_right`: the frames past its own a query sees (`max_future_horizon`, transformers'
+`_convert_4d_mask_to_blocked_5d`); 0 states it sees none, a causal statement beside its blocks and left context.
 """
 
 from __future__ import annotations
@@ -35,3 +37,9 @@ def other_names(items: dict, found: dict) -> None:
         if "sliding_window_layers" not in found and isinstance(layers, (list, tuple)) and layers \
                 and all(isinstance(x, bool) for x in layers):
             found["sliding_window_layers"], found["layers_said"] = list(layers), "swa_layers"
+
+
+def no_right_context(values: dict) -> dict:
+    """{"attention_context_right": True} where the config states its queries see no frame past their own (0)."""
+    right = values.get("attention_context_right")
+    return {"attention_context_right": True} if type(right) is int and right == 0 else {}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from maskcli.checks.configread import LIBRARIES, MISSING, StaticView, dynamic, read  # noqa: F401 - (read from here too)
 from maskcli.checks.configread import added as _added
-from maskcli.checks.fieldnames import other_names
+from maskcli.checks.fieldnames import no_right_context, other_names
 
 FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset", "mem_len",
          "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own", "chunk_right", "chunk_scope",
@@ -36,7 +36,7 @@ FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_patter
           "force_causal_mask", "waitk", "wait_k",  # (torch-to-nnef's export word that the model is causal; wait-k: across.py)
           "sliding_windows",  # (a streaming encoder's (left, right) window per layer: checks/sidewindows.py)
           "interleaved_attn_pattern",  # (Megatron's (local, global) layer counts of one period: Gemma 3 / 4 providers)
-          "unmask_image")  # (Surya's: its image prefix seen both ways at prefill, to the eoi_token_id: eoiprefix.py)
+          "unmask_image", "attention_context_right")  # (Surya's: its image prefix seen both ways at prefill, to the eoi_token_id: eoiprefix.py)
 ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 IMAGE_IDS = ("image_token_id", "image_token_index")  # kept beside the FIELDS a config states, never alone
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers", "interleaved_attn_pattern")
@@ -271,6 +271,7 @@ class Intent:
                 if isinstance(self.values.get(name), bool)}
         if isinstance(self.values.get("use_bidirectional_attention"), bool):  # (False: the causal model's own word)
             said["use_bidirectional_attention"] = not self.values["use_bidirectional_attention"]
+        said.update(no_right_context(self.values))  # (Gemma 3n / 4 audio's attention_context_right=0: fieldnames.py)
         if not said or not all(said.values()) or self.bidirectional() is not None:
             return None
         return next((name for name in said if name not in GENERAL), next(iter(said)))
