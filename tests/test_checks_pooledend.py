@@ -11,6 +11,7 @@ import torch
 from checkbugs import traced
 
 BLIND = Path(__file__).parent / "data" / "blind"
+BUGS = Path(__file__).parent / "data" / "bugs"
 POOLED = Path(__file__).parent / "data" / "pooled"
 
 
@@ -66,3 +67,27 @@ def test_an_expanded_key_padding_mask_states_its_rows_tokens_by_the_keys_it_keep
     causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
     causal[1, :, :2] = False  # rows that differ: the queries that see some key, as before
     assert _rows_seeing(causal).tolist() == [[True] * 5, [False] * 2 + [True] * 3]
+
+
+def test_sentence_transformers_lasttoken_read_through_the_masked_output(tmp_path):
+    """sentence-transformers#2111 (written blind, caught now): lasttoken pooling gathered `token_embeddings *
+    input_mask_expanded` at `argmin(attention_mask) - 1`, clamped to 0: the unpadded row (8 tokens) is read at its
+    first token. The product by the mask is followed as the same output (trace/poolrows.py)."""
+    status, found, report = traced(tmp_path, "sentence_transformers_lasttoken_pooling_unpadded_row_takes_first_token",
+                                   False, BUGS)
+    [hit] = [f for f in found if f["code"] == "pooled-before-end"]
+    lengths = [8, 3, 5]
+    index = [max(0, next((i for i in range(8) if i >= n), 0) - 1) for n in lengths]  # argmin of each row's mask - 1
+    assert status == 1 and index == [0, 2, 4] and tuple(hit["cell"]) == (0, index[0], index[0]), report
+    status, found, report = traced(tmp_path, "sentence_transformers_lasttoken_pooling_unpadded_row_takes_first_token",
+                                   True, BUGS)
+    assert status == 0 and not [f for f in found if f["code"] == "pooled-before-end"], report
+
+
+def test_a_masked_output_read_by_index_before_an_unpadded_rows_end(tmp_path):
+    """Written another way: `attention_mask[..., None] * hidden` (the mask first), read `[arange(B), index]`."""
+    status, found, report = traced(tmp_path, "decoder_embedder_masked_output_pooled_at_length", False, POOLED)
+    [hit] = [f for f in found if f["code"] == "pooled-before-end"]
+    assert status == 1 and tuple(hit["cell"]) == (0, 0, 0), report
+    status, found, report = traced(tmp_path, "decoder_embedder_masked_output_pooled_at_length", True, POOLED)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -39,6 +39,7 @@ from maskcli.trace.unseen import unseen
 MOST = 4096  # rows x positions of the mask kept at most
 HEADS = frozenset({"linear", "squeeze", "float", "to"})  # position by position: a head over a followed output
 NORMS = frozenset({"layer_norm", "rms_norm"})  # position by position, the output's own shape: the output still
+SCALED = frozenset({"mul", "__mul__", "__rmul__"})  # the output times a factor of its own shape or broadcast to it
 CELL = "[row, position]"  # how a one-cell read is said
 
 
@@ -181,14 +182,17 @@ class PoolRows:
         """Record the position each row is read at, where `func` indexes a followed output; a head computed of it
         position by position (a linear layer over its last axis, that axis squeezed: a reward model's value head,
         (B, L, D) -> (B, L)) followed on as the same output."""
+        name = getattr(func, "__name__", "")
         given = args[0] if args else None
+        if name in SCALED and len(args) == 2 and id(given) not in self._found:
+            given = args[1]  # (`mask * output`: the output second)
         held = self._found.get(id(given))
         if held is None or held[0]() is not given:
             return
         try:
-            name = getattr(func, "__name__", "")
-            if name in NORMS:  # (a final norm over the output, position by position: the same output, CLIP's
-                if type(out) is torch.Tensor and out.shape == given.shape:  # final_layer_norm before its pooling)
+            if name in NORMS or name in SCALED:  # (a final norm over the output, or the output times its mask, position
+                # by position: the same output, CLIP's final_layer_norm, sentence-transformers' `token_embeddings *
+                if type(out) is torch.Tensor and out.shape == given.shape:  # input_mask_expanded` before their pooling)
                     key = id(out)
                     self._found[key] = (weakref.ref(out, lambda _, key=key, found=self._found: found.pop(key, None)),
                                         *held[1:])
