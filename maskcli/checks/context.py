@@ -1,10 +1,9 @@
 """What the rules read: the calls of a run, each with the model call that made it (its config and arguments).
 
-A trace records, besides each attention call, every call of an outermost module (a model's forward,
-once per generate step): the module's `config` where it has one, the 2-D arguments that say where
-tokens are (attention_mask, position_ids, cache_position, token_type_ids, cu_seq_lens_q/k, cu_seqlens,
-seq_idx) as small numpy arrays, and which attention calls it made ([first, end) of the call indices). The rules read
-these as transformers reads them; nothing here imports torch or transformers.
+A trace records, besides each attention call, every outermost module call (a model's forward, once per generate step):
+its `config`, the 2-D arguments that say where tokens are (attention_mask, position_ids, cache_position, token_type_ids,
+cu_seq_lens_q/k, cu_seqlens, seq_idx) as small numpy arrays, and its attention calls ([first, end) of their indices),
+read as transformers reads them; nothing here imports torch or transformers.
 """
 
 from __future__ import annotations
@@ -57,16 +56,17 @@ class Run:
 
     def top(self, call) -> Top | None:
         """The innermost outermost-module call that made `call` (the last begun before it, on the call's own thread where
-        the program's threads make model calls of their own), from an index built once per run (asked of every call)."""
+        the program's threads make model calls of their own), from an index built once per run (asked of every call)"""
         index = self.__dict__.get("_tops")
         if index is None or index[0] is not self.tops or index[1] != len(self.tops):
             found: dict = {}  # thread (None: main, "*": any) -> call index -> top; a later one that began first overwrites
             for top in self.tops:
                 for thread in ("*", top.arguments.get("thread")):
                     found.setdefault(thread, {}).update(dict.fromkeys(range(top.first, top.end), top))
-            index = self.__dict__["_tops"] = (self.tops, len(self.tops), found)  # (self.tops held: its id its own)
-        own, every = index[2].get(getattr(call, "details", {}).get("thread"), {}), index[2].get("*", {})
-        return own[call.index] if call.index in own else every.get(call.index)
+            one = found.get("*", {}) if set(found) <= {"*", None} else None  # (every model call on the main thread)
+            index = self.__dict__["_tops"] = (self.tops, len(self.tops), found, one)  # (self.tops held: its id its own)
+        own = index[3] if index[3] is not None else index[2].get(getattr(call, "details", {}).get("thread"), {})
+        return own[call.index] if call.index in own else index[2].get("*", {}).get(call.index)
 
     def made_by(self, top: Top) -> list:
         """The calls of `top` ([top.first, top.end) of the call indices, its inner model calls' too; on its own thread),
