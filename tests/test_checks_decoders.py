@@ -104,3 +104,18 @@ def test_dataclass_causal_config_mask_one_diagonal_ahead(tmp_path):
     assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k == q + 1 and k < lengths[b])
     status, found, report = traced(tmp_path, "dataclass_causal_config_mask_diagonal_one_ahead", True, ROWS)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_chunk_causal_reads_chunks_that_see_themselves_whole():
+    """chunk_causal: later keys each in the query's own chunk (a streaming encoder's chunk mask, 12 frames of 4) are
+    chunks; a query one key ahead (tril(diagonal=1)) or an inverted mask is not."""
+    import numpy as np
+
+    from maskcli.checks.decoders import chunk_causal
+
+    own = np.arange(12)
+    def later(keep):  # (1, Lq, Lk) bool of the later keys a double loop keeps
+        return np.array([[[keep(q, k) and k > q for k in range(12)] for q in range(12)]])
+    assert chunk_causal(later(lambda q, k: k // 4 <= q // 4), own)
+    assert not chunk_causal(later(lambda q, k: k <= q + 1), own)
+    assert not chunk_causal(later(lambda q, k: k >= q), own)

@@ -62,6 +62,13 @@ def said_causal(run: Run, call) -> str | None:
     return stated.said(said)
 
 
+def chunk_causal(later: np.ndarray, own: np.ndarray) -> bool:
+    """Every later key a query sees (bool (B, Lq, Lk)) lies in the query's own chunk of some size c, two chunks at
+    least over the queries (k // c == q // c): chunks that see themselves whole."""
+    _, q, k = np.nonzero(later)
+    return any(np.array_equal(k // c, own[q] // c) for c in range(2, len(own)))
+
+
 def decoder_sees_later(run: Run) -> list:
     """Self-attention calls of a model its config calls a decoder where a real query sees a later real key."""
     found, done, judged = [], {}, None
@@ -89,8 +96,10 @@ def decoder_sees_later(run: Run) -> list:
         real = resolve(call, top, rows)
         cells = real.queries[:, :, None] & real.keys[:, None, :]
         later = rows & (np.arange(k_len)[None, None, :] > own[None, :, None]) & cells
-        if not later.any() or causal and np.array_equal(rows & cells, np.broadcast_to(cells, rows.shape)):
-            continue  # (a stated causal word over a call that masks no real cell at all: dropped.py's to say)
+        if not later.any() or causal and (np.array_equal(rows & cells, np.broadcast_to(cells, rows.shape))
+                                          or chunk_causal(later, own)):
+            continue  # (a stated causal word over a call that masks no real cell at all: dropped.py's to say; or
+            # whose later keys are each query's own chunk's: a streaming encoder's chunk-causal, WeNet's causal=True)
         judged = explained(run) if judged is None else judged
         if call.index in judged:
             continue
