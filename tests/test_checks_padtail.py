@@ -104,3 +104,13 @@ def test_an_action_chunk_over_a_cached_padded_prefix_is_quiet(tmp_path):
 
     _, found, _ = traced(tmp_path, "smolvla_cached_prefix_action_chunk_sdpa", False, Path(__file__).parent / "data" / "quiet")
     assert [f for f in found if f["code"] == "continued-from-padding"] == []
+
+
+def test_chattts_right_padded_prompts_decoded_from_a_pad_slot(tmp_path):
+    # 2noise/ChatTTS e69ffac (written blind, blind-lh, round 66; caught before any rule was changed for it): the
+    # tokenizer right-padded the batch of prompts its hand-written GPT decode loop continues, so the short prompt
+    # ("hi.") drew its first audio code from one of its own pad slots
+    found = check_bug(tmp_path, "chattts_tokenizer_right_padding_decode_from_pad_slot", "continued-from-padding")
+    texts = ["hello there, how are you today.", "hi."]
+    b, q, k = found[0]["cell"]
+    assert b == _first_short([len(t) for t in texts], max(map(len, texts))) and k == q - 1
