@@ -20,7 +20,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep, queries
 from maskcli.checks.intent import intent, stated_for, transformers_config
-from maskcli.checks.own import one_chunk
+from maskcli.checks.dropped import causal_word
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
@@ -50,16 +50,11 @@ def said_decoder(run: Run, call) -> str | None:
 
 
 def said_causal(run: Run, call) -> str | None:
-    """The program's own config states the call's attention causal (checks/intent.py's Intent.causal: is_causal=True,
-    causal=True, attention_context_right=0, ...): not transformers' class defaults (unless the program set the field
-    itself), not an encoder-decoder's, nor a module that says itself not causal, a streaming chunk that sees itself whole
-    or cross-attention."""
+    """`name=value (source)` where the program's own config states the call's self-attention causal (dropped.py's
+    causal_word: is_causal=True, causal=True, attention_context_right=0, ...); None on cross-attention."""
     stated = intent(run, call)
-    said = stated.causal()
-    if said is None or stated.decoder or stated.transformers and said not in stated.added or cross(call) \
-            or call.details.get("module_not_causal") or one_chunk(run, call):
-        return None
-    return stated.said(said)
+    said = None if cross(call) else causal_word(run, call, stated)
+    return None if said is None else stated.said(said)
 
 
 def chunk_causal(later: np.ndarray, own: np.ndarray) -> bool:
@@ -94,9 +89,9 @@ def decoder_sees_later(run: Run) -> list:
             continue
         rows = by_row(cells, call.shape[0])
         real = resolve(call, top, rows)
-        cells = real.queries[:, :, None] & real.keys[:, None, :]
-        later = rows & (np.arange(k_len)[None, None, :] > own[None, :, None]) & cells
-        if not later.any() or causal and (np.array_equal(rows & cells, np.broadcast_to(cells, rows.shape))
+        both = real.queries[:, :, None] & real.keys[:, None, :]  # (real query, real key)
+        later = rows & (np.arange(k_len)[None, None, :] > own[None, :, None]) & both
+        if not later.any() or causal and (np.array_equal(rows & both, np.broadcast_to(both, rows.shape))
                                           or chunk_causal(later, own)):
             continue  # (a stated causal word over a call that masks no real cell at all: dropped.py's to say; or
             # whose later keys are each query's own chunk's: a streaming encoder's chunk-causal, WeNet's causal=True)

@@ -32,16 +32,27 @@ from maskcli.checks.spans import explained
 from maskcli.text import Finding
 
 
+def causal_word(run: Run, call, stated) -> str | None:
+    """The field of `stated` (the call's Intent) that says its attention is causal, where that is the program's word:
+    not an encoder-decoder's, nor transformers' class default (unless the program set it on the layer's own config:
+    configread.py), nor against the attending module's own causal=False (which speaks for itself, save against the
+    program's word on the very config its layers are built from), nor a streaming chunk that sees itself whole."""
+    said = stated.causal()
+    own = said in stated.added
+    if said is None or stated.decoder or stated.transformers and not own \
+            or call.details.get("module_not_causal") and not own or one_chunk(run, call):
+        return None
+    return said
+
+
 def causal_ignored(run: Run) -> list:
     """A call whose config states it causal but that masks nothing on its real queries and keys (several queries)."""
     judged = None
     full, causal = [], {}
     for call, stated, index, kind, placed in [*_each_layer_call(run), *_never_masked(run)]:
-        said = stated.causal()
-        own = said in stated.added  # (set by the program on the layer's own transformers config: configread.py)
-        if said is None or stated.decoder or stated.transformers and not own or call.shape[2] < 2 \
-                or call.details.get("module_not_causal") and not own or one_chunk(run, call):  # (the attending module's own causal=False
-            continue  # speaks for itself; not against the program's word on the very config its layers are built from)
+        said = causal_word(run, call, stated)
+        if said is None or call.shape[2] < 2:
+            continue
         source = stated.said(said)
         if placed.holds("causal"):
             causal.setdefault(source, set()).add(call.where)

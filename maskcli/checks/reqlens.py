@@ -4,7 +4,8 @@ Serving engines run a batch of requests through one forward and hand their atten
 each request's new tokens (`q_cu_seq_lens`, `cu_seqlens_q`, `query_start_loc`) and its keys, cached ones included
 (`kv_seq_lens`, `seq_lens`, `b_seq_len`, `cu_seqlens_k`), read from the program's frames by trace/reqlens.py. Where
 the calls made under one such statement are one per request (a kernel port looping over the batch, or a per-request
-backend), batch row 1 each (or its heads on the batch axis), their query counts those the metadata states in its order, each request's call must be
+backend), batch row 1 each (or its heads on the batch axis), their query counts those the metadata states in its
+order, each request's call must be
 handed the keys it states: fewer, and the request's queries never see its cached prefix (xLLM#2161: the prefill of a
 prefix-cache hit attends only its new tokens); more, and its queries see keys past its own (stale slots, or another
 request's). The kernel's own arguments (the frame's variables) are what is checked, not what states: a kernel handed
@@ -33,8 +34,10 @@ def one_sequence(call, alike: bool = True) -> bool:
     if call.shape[1] != 1:
         return False
     heads = call.details.get("stated_heads") or call.details.get("own_heads")
-    if heads == call.shape[0] or not alike:
-        return heads == call.shape[0]
+    if heads == call.shape[0]:
+        return True
+    if not alike:
+        return False
     cells = keep(call)
     return cells is not None and bool((cells == cells[:1]).all())
 
