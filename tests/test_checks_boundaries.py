@@ -226,3 +226,24 @@ def test_chunks_with_a_stated_left_context_are_quiet(tmp_path):
     assert not [f for f in found if f["code"].startswith("chunks-")], report
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
+
+
+def test_a_pad_run_of_eos_ids_is_one_block_not_a_run_of_empty_documents(tmp_path):
+    """Packed rows whose pad id is the EOS id: the tail of pads (EOS, EOS, ...) counts on from position 0 as one block,
+    which the position_ids' document mask keeps whole: quiet (quiet-r66b's prime-rl GRPO rows were a false alarm so).
+    The same collator that forgets to restart the second sample's positions leaks across the one EOS between the
+    samples, and is found there."""
+    name = "packed_rows_pad_eq_eos_tail_documents_from_positions"
+    status, found, report = traced(tmp_path, name, False, QUIET)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+    source = (QUIET / f"{name}.py").read_text()
+    merged = source.replace("positions.append(torch.arange(len(sample)))",
+                            "positions.append(torch.arange(len(sample)) + sum(len(p) for p in positions))")
+    merged = merged.replace("assert torch.allclose(", "_ = torch.allclose(")
+    assert merged.count("_ = torch.allclose(") == 1 and "+ sum(len(p)" in merged
+    (tmp_path / "positions_merged.py").write_text(merged)
+    status, found, report = traced(tmp_path, "positions_merged", False, tmp_path)
+    hit = next(f for f in found if f["code"] == "eos-documents-leak")
+    ids = [[5, 6, 7, 2, 8, 9, 10, 11, 2, 2, 2, 2, 2, 2]]
+    doc = [0] * 9 + [1] * 5  # the merged samples, then the pad run (the mask's blocks)
+    assert status == 1 and tuple(hit["cell"]) == _eos_cell(ids, 2, lambda b, q, k: k <= q and doc[q] == doc[k]), report

@@ -13,7 +13,8 @@ offset (the query positions) are resolved, so a mask that holds unpadded is judg
   `eos_token_id`, or the model's own `eos_id`). Many models attend across EOS on purpose (GPT-2's
   pretraining), so a mask is judged only where some mask of the run cuts, and only beside an EOS (the program's own
   word that EOS ends a document: a chunked layer's cuts fall elsewhere too); then a real query that sees a key with an EOS strictly between them is wrong, however
-  the program's convention places the EOS itself (ending its document, or starting the next).
+  the program's convention places the EOS itself (ending its document, or starting the next). A run of EOS ids ends
+  one document (a pad id that is the EOS id pads a packed row with them: prime-rl's pad run, one block of its own).
 """
 
 from __future__ import annotations
@@ -188,7 +189,9 @@ def eos_documents(run: Run) -> list:
         separators, eos, said = held
         seen = by_row(cells, rows)
         real = resolve(call, top, seen)
-        count = np.cumsum(separators, axis=1)  # EOS at or before each position
+        first = separators.copy()  # (a run of EOS ends one document: pad = eos, a pad run counting on after a sample's
+        first[:, 1:] &= ~separators[:, :-1]  # EOS, is no run of empty documents, prime-rl's packed GRPO rows)
+        count = np.cumsum(first, axis=1)  # EOS runs begun at or before each position
         before = np.concatenate([np.zeros((rows, 1), np.int64), count[:, :-1]], axis=1)  # EOS strictly before
         keys = np.arange(k_len)
         across = (before[:, :, None] - count[:, None, :] > 0) & (keys[None, None, :] < keys[None, :, None])
