@@ -483,6 +483,27 @@ def test_a_perceivers_latents_are_not_read_against_its_frames_padding(tmp_path):
     assert status == 1 and tuple(hit["cell"]) == first((2, 4, 4), lambda b, q, k: real[b, q] and not real[b, k]), report
 
 
+def test_a_media_towers_frames_are_not_read_against_the_texts_attention_mask(tmp_path):
+    """A speech LM's `audio_tower` attends its clips' frames (as many as the text's tokens) under their own frame mask;
+    the text's left-padded attention_mask says nothing of them: quiet (quiet-r66a's Qwen2-Audio was a false alarm so).
+    The same model whose text decoder drops the attention_mask is still found, on the decoder's call."""
+    from checkbugs import traced
+
+    name = "speech_lm_audio_tower_frames_as_many_as_text_tokens"
+    status, found, report = traced(tmp_path, name, False, QUIET)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+    source = (QUIET / f"{name}.py").read_text()
+    dropped = source.replace("keep = torch.ones(n, n, dtype=torch.bool).tril() & attention_mask.bool()[:, None, None, :]",
+                             "keep = torch.ones(n, n, dtype=torch.bool).tril()[None, None]")
+    assert dropped != source
+    (tmp_path / "text_mask_dropped.py").write_text(dropped)
+    status, found, report = traced(tmp_path, "text_mask_dropped", False, tmp_path)
+    hits = [f for f in found if f["code"] == "padding-ignored"]
+    ids = [[0, 0, 0, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
+    assert status == 1 and len(hits) == 1 and "given to SpeechLM" in hits[0]["message"], report
+    assert tuple(hits[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k <= q and ids[b][q] != 0 and ids[b][k] == 0)
+
+
 def test_x_transformers_flash_attend_bool_mask_inverted(tmp_path):
     """x-transformers#160: the "True = mask out" mask handed to SDPA (True = attend): real queries see the padding
     keys 4, 5 of row 1 that the `mask` given to Attention marks padding; the fix (`mask = ~mask`) is quiet."""
@@ -1020,3 +1041,25 @@ def test_simpletransformers_representation_model_attention_mask_not_passed(tmp_p
     assert [f["code"] for f in wrong] == ["mean-over-padding"], report
     assert "batch row 1: a mean over axis 1 of a (3, 16, 32) tensor averages all 16 positions" in \
         " ".join(wrong[0]["message"].split()), report
+
+
+def test_tunix_gemma4_splash_kernel_run_one_sample_at_a_time_without_its_segment_ids(tmp_path):
+    # google/tunix e31e280e (written blind, blind-lk, round 66; caught before tuning, but its fix was then a false
+    # alarm: each vmapped sample's (heads, L, L) call was read as queries L.. of a (B L) stream and as the batch folded
+    # with its heads, so sample 1's window was judged by sample 0's padding): Gemma4.__call__ dropped the segment ids
+    # the RL log-prob path hands it, so the completions of a left-padded row attended the prompt's pad tokens
+    found = check_bug(tmp_path, "tunix_gemma4_splash_attention_drops_rl_segment_ids", "padding-ignored")
+    prompt, completion = [0, 0, 0, 0, 0, 11, 12, 13], [31, 32, 33, 34, 1, 0]
+    real = [t != 0 for t in prompt + completion]  # sample 0's; sample 1 has no padding
+    b, q, k = found[0]["cell"]
+    assert (q, k) == first((1, 14, 14), lambda _, q, k: real[q] and not real[k] and q - 4 < k <= q)[1:]
+    assert "rows 0..3 of the 8" in found[0]["message"]  # (sample 0's 4 heads, of the batch of 2 folded with them)
+
+
+def test_a_loop_handing_sdpa_one_samples_heads_is_read_against_that_samples_padding(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "per_sample_loop_heads_key_padding_dropped", ("padding-ignored",))
+    ids = [[0, 0, 0, 5, 6, 7], [8, 9, 10, 11, 12, 13]]
+    expected = first((1, 6, 6), lambda _, q, k: k <= q and ids[0][q] != 0 and ids[0][k] == 0)
+    assert tuple(hit["cell"]) == expected and "sample 0 of the batch of 2" in hit["message"]

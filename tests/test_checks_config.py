@@ -771,3 +771,28 @@ def test_a_sliding_layer_fills_the_shared_bias_in_place_behind_sink_columns(tmp_
     assert "layer 1 is a full-attention layer (layer_types[1], cfg (Settings)" in " ".join(hit["message"].split())
     _, _, report = traced(tmp_path, "shared_mask_window_filled_in_place_with_sinks", True, ROWS)
     assert "(1,2,8,8)  causal" in report and "(1,2,8,9)" not in report, report
+
+
+def test_a_config_written_as_class_attributes_states_them():
+    """fields_of: a config of the program's own written `class ModelConfig: num_layers = 2; attention_types = (...)`
+    states its layer count and its per-layer field (read nowhere here, so no layer's kind is guessed from
+    sliding_window_size alone), as the same config set on the instance does; a transformers config's class defaults
+    are not read so."""
+    from maskcli.checks.intent import fields_of
+
+    class ModelConfig:
+        num_layers = 2
+        attention_types = ("local_sliding", "global")
+        sliding_window_size = 4
+
+    held = ModelConfig()
+    on_instance = type("Plain", (), {})()
+    on_instance.num_layers, on_instance.attention_types, on_instance.sliding_window_size = 2, ("local_sliding", "global"), 4
+    for config in (held, on_instance):
+        fields = fields_of(config)
+        assert fields["layers"] == 2 and fields["other_layers"] is True and fields["sliding_window_size"] == 4
+        assert layer_kind(config, 0) is None and layer_kind(config, 1) is None
+    held.num_layers = 3  # (the instance's value over its class's)
+    assert fields_of(held)["layers"] == 3
+    transformers = pytest.importorskip("transformers")
+    assert fields_of(transformers.MistralConfig(num_hidden_layers=2, sliding_window=4))["other_layers"] is False

@@ -45,3 +45,34 @@ def test_a_chunk_of_a_linear_output_merged_over_batch_and_sequence_is_placed():
     _, k, _ = flat.view(2, 12, 3, 3, 8).permute(2, 0, 3, 1, 4)
     q = torch.randn(2, 3, 12, 8)
     assert tile(q[:, :, 8:12], k[:, :, 4:8].transpose(-2, -1), turned=True) == [[0, 2], [8, 12], [4, 12]]
+
+
+def test_one_sample_of_a_batch_indexed_away_is_that_samples_rows_with_all_its_queries():
+    """q[i] of a (B, L, H, D) projection with the batch indexed away (a loop over the batch handing a kernel one
+    sample's heads: tunix's vmapped splash kernel) is rows i*H .. i*H + H - 1 of the batch folded with its heads
+    batch-major, every query and key its own, not queries i*L .. of a (B L) stream."""
+    batch, length, heads, dim = 3, 10, 4, 8
+    x = torch.randn(batch, length, heads * dim)
+    q = x.view(batch, length, heads, dim).transpose(1, 2)  # (B, H, L, D)
+    k = torch.randn(batch, length, heads * dim).view(batch, length, heads, dim).transpose(1, 2)
+    for i in range(batch):
+        assert tile(q[i], k[i]) == [[i * heads, batch * heads], [0, length], [0, length]]
+        assert tile(q[i], k[i].transpose(-2, -1), turned=True) == [[i * heads, batch * heads], [0, length], [0, length]]
+    # a query chunk of one sample stays a chunk of its own queries' (the batch axis kept: no sample read)
+    assert tile(q[:, :, 4:8], k) == [[0, batch], [4, length], [0, length]]
+
+
+def test_sdpa_handed_one_samples_heads_is_that_samples_row():
+    """one_sample: SDPA's 3-D q and k (H, L, D), one sample's heads of a batch indexed away, are sample i of B (its
+    one row, the heads on their own axis); a sample's query chunk, a whole tensor and q and k of different samples
+    are none."""
+    from maskcli.trace.tiled import one_sample
+
+    batch, length, heads, dim = 2, 6, 4, 8
+    x = torch.nn.Linear(16, 3 * heads * dim, bias=False)(torch.randn(batch, length, 16))
+    q, k, _ = x.view(batch, length, 3, heads, dim).permute(2, 0, 3, 1, 4)  # each (B, H, L, D)
+    for i in range(batch):
+        assert one_sample(q[i], k[i]) == [[i, batch], [0, length], [0, length]]
+    assert one_sample(q[0], k[1]) is None
+    assert one_sample(q[0][:, :3], k[0]) is None
+    assert one_sample(torch.randn(heads, length, dim), torch.randn(heads, length, dim)) is None

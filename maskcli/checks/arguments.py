@@ -18,6 +18,7 @@ from maskcli.checks.context import Run, beside_memory, cross, first_cell, keep, 
 from maskcli.checks.heldpad import held_readings
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.real import kept_turned, stated, stated_once
+from maskcli.checks.spans import in_tower
 from maskcli.checks.permuted import reordered
 from maskcli.checks.registry import Rule
 from maskcli.checks.tiled import batch_part, chunk_readings
@@ -57,13 +58,15 @@ def _batch_major(call, top, rows: int, length: int) -> np.ndarray | None:
     return None if said is None else said[0][np.arange(rows) // fold[1]]
 
 
-def _fold_words(call, top, rows: int, length: int) -> str:
+def _fold_words(call, top, rows: int, length: int, b: int = 0) -> str:
     """How a finding says the call's rows fold the model call's batch (`folded`): with its heads only where the call has
     no heads axis of its own and the module's head count is the fold (TF's concat of split heads); else with as many
     rows of another axis (AlphaFold 3's templates and pair rows, its heads an axis of their own)."""
     if batch_part(call):
         start, total = call.details["tile"][0]
         size = chunk_readings(call, top, length)[3]
+        if size == total:  # (a call over some of the batch's own rows: a loop handing the kernel one sample at a time)
+            return f" of this call, sample {start + b} of the batch of {size} (attended apart from the others)"
         return (f" (of the chunk at rows {start}..{start + rows - 1} of the {total} that fold the batch of {size} with "
                 f"{total // size} rows each, either way round)")
     size = next((n for n in range(2, rows // 2 + 1) if rows % n == 0 and stated(top, n, length) is not None), rows)
@@ -153,8 +156,9 @@ def padding(run: Run) -> list:
         if key not in read:  # (every layer of one model call reads the same statement: read once)
             read[key] = _statement(statements, call, top, rows, k_len)
         said, placed, both = read[key]
-        if said is None:
-            continue  # (keys that are not the stated tokens: a prompt prepended inside the model, CPM-Ant's)
+        if said is None or text_of(said) and in_tower(call):
+            continue  # (keys that are not the stated tokens: a prompt prepended inside the model, CPM-Ant's; a media
+            # encoder's frames, whatever their count, are not the text's attention_mask or ids: Qwen2-Audio's tower)
         readings, laid = None, None
         if both:
             readings, source, sure = said
@@ -198,7 +202,7 @@ def padding(run: Run) -> list:
                 else "a padding mask the wrong way round?") if hidden else _outweighed(call)
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
-                f"batch row {b}{'' if readings is None else placed if placed is not None else _fold_words(call, top, rows, length)}: "
+                f"batch row {b}{'' if readings is None else placed if placed is not None else _fold_words(call, top, rows, length, b)}: "
                 f"query {int(own[q])} sees key {k}, which {said_by} "
                 f"{'mark' if source.split(' ')[0].endswith('s') else 'marks'} as padding ({step}; {int(bad.sum())} such "
                 f"cells{turned})" + ("" if sure else f" (if token id {top.arguments.get('pad_id')} is padding there)")),
@@ -228,6 +232,12 @@ def _statement(statements: dict, call, top, rows: int, k_len: int) -> tuple:
         return said, None, True
     said = held_readings(top, rows, k_len)  # (ids held in a batch dict, a key or two of the model's own beside)
     return (None, None, False) if said is None else (said[:3], said[3], True)
+
+
+def text_of(said: tuple) -> bool:
+    """The statement `padding` read (said, placed, both) is the model call's text's: its attention_mask or input ids."""
+    source = said[1] if len(said) == 3 and isinstance(said[1], str) else ""
+    return source.startswith(("attention_mask", "input ids"))
 
 
 def _outweighed(call) -> str:

@@ -57,6 +57,23 @@ def read(value, name: str, default=None):
         return default
 
 
+PLAIN = (int, float, str, bool, tuple, list, dict, type(None))
+
+
+def class_fields(value) -> dict:
+    """The plain values (numbers, strings, tuples, lists, dicts) a config's own classes hold as class attributes, the
+    outermost class's over its bases': a config written `class ModelConfig: num_layers = 2; attention_types = (...)`
+    states them though its instance holds none (tunix's Gemma 4 port). None from a library's class (transformers'
+    configs' class defaults are not the program's statement) nor from private names."""
+    found: dict = {}
+    for base in reversed(type(value).__mro__[:-1]):
+        if str(getattr(base, "__module__", "")).split(".")[0] in LIBRARIES:
+            continue
+        found.update((name, held) for name, held in vars(base).items()
+                     if isinstance(name, str) and not name.startswith("_") and isinstance(held, PLAIN))
+    return found
+
+
 def field_reader(config):
     """A reader of `config`'s fields by name, whatever keeps them: a dict's keys, else `read` (an object, a dataclass, a
     dynamic config read statically)."""

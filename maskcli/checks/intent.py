@@ -20,7 +20,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from maskcli.checks.configread import LIBRARIES, MISSING, StaticView, dynamic, read  # noqa: F401 - (read from here too)
+from maskcli.checks.configread import LIBRARIES, MISSING, StaticView, class_fields, dynamic, read  # noqa: F401 - (read from here too)
 from maskcli.checks.configread import added as _added
 from maskcli.checks.fieldnames import no_right_context, other_names
 
@@ -92,7 +92,7 @@ def fields_of(value) -> dict:
         items = {k: v for k, v in value.items() if isinstance(k, str)}
     else:
         try:
-            items = dict(vars(value))
+            items = {**class_fields(value), **vars(value)}  # (class attributes a config of the program's states)
         except TypeError:  # (slots, a named tuple: its fields read one by one below)
             names = read(value, "_fields", ())
             items = {name: read(value, name) for name in (*COUNTS, *(names if isinstance(names, tuple) else ()))}

@@ -41,7 +41,14 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 LONGEST = 40  # an expected expression longer than this is printed with blocks(...) (--json carries it whole)
-TOWERS = ("vision_tower", "audio_tower", "vision_model", "audio_model")  # encoders inside the same model call
+TOWERS = ("vision_tower", "audio_tower", "vision_model", "audio_model", "visual", "vision_encoder", "audio_encoder",
+          "speech_encoder", "image_encoder")  # a multimodal model's media encoders, inside the same model call
+
+
+def in_tower(call) -> bool:
+    """The call is a media encoder's (its module path passes through one of TOWERS: Qwen2-Audio's
+    `model.audio_tower.layers.0.self_attn`): its keys are frames or patches, not the model call's text tokens."""
+    return any(word in (call.where or "").split(".") for word in TOWERS)
 
 
 def runs(is_span: np.ndarray) -> np.ndarray:
@@ -245,7 +252,7 @@ def _spanned(run: Run):
             family = _by_causal_images(call, top)
         if family is None and top is not None and eoiprefix.stated(top) and (said := eoiprefix.prefix(run, call, top)):
             family = Family(said[0], None, "prefix", "text", "all"), said[1]  # (Surya's image prefix, to its EOI token)
-        if family is None or call.stored is None or any(word in (call.where or "").split(".") for word in TOWERS):
+        if family is None or call.stored is None or in_tower(call):
             continue
         family, ids = family
         rows, _, q_len, k_len = call.shape

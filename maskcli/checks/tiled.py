@@ -50,7 +50,7 @@ def chunk_readings(call, top, length: int) -> tuple[list, str, bool, int] | None
     from maskcli.checks.real import stated  # (real.py reads arguments; tiled.py is read by rules it does not need)
     start, total = _spans(call)[0]
     at = start + np.arange(call.shape[0])
-    for size in range(1, total // 2 + 1):
+    for size in (*range(1, total // 2 + 1), total):  # (B = total: a call over some of the batch's own rows)
         said = stated(top, size, length) if total % size == 0 else None
         if said is not None:
             real = np.broadcast_to(said[0], (size, length))

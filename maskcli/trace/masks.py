@@ -30,6 +30,7 @@ from maskcli.trace.shifted import hide
 from maskcli.trace.finitefill import FILL_AT_MOST, finite_fill as _finite_fill  # noqa: F401 - (read from here too)
 from maskcli.trace.queried import LOCAL, query_tensor
 from maskcli.trace.regrouped import operands as regrouped
+from maskcli.trace.tiled import one_sample
 from maskcli.intervals import Intervals
 
 
@@ -191,6 +192,8 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     gathered_keys(seen, k, mask is None and not is_causal, q, mask, is_causal)  # (keys a varlen path gathered, against its mask: gathered.py)
     details.update(regrouped(q, k, turned=False))  # (q or k viewed with heads before positions: trace/regrouped.py)
+    if len(q_shape) == 3 and (part := one_sample(q, k)) is not None:  # (one sample's heads: its row, tiled.py)
+        details["tile"] = part
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
     if mask is not None:
@@ -213,12 +216,9 @@ def _broadcast(a: tuple, b: tuple) -> tuple:
     if len(a) < len(b):
         a, b = b, a
     b = (1,) * (len(a) - len(b)) + b
-    out = []
-    for x, y in zip(a, b):
-        if x != y and x != 1 and y != 1:
-            raise RuntimeError(f"shapes {a} and {b} do not broadcast")
-        out.append(y if x == 1 else x)
-    return tuple(out)
+    if any(x != y and x != 1 and y != 1 for x, y in zip(a, b)):
+        raise RuntimeError(f"shapes {a} and {b} do not broadcast")
+    return tuple(y if x == 1 else x for x, y in zip(a, b))
 
 
 def _storage_start(tensor: torch.Tensor) -> int:

@@ -43,6 +43,47 @@ def _span(t, axis: int) -> tuple[int, int] | None:
     return (start, whole) if start + size <= whole else None
 
 
+def _sample(t, axis: int) -> tuple[int, int] | None:
+    """(index, count) where `t`'s `axis` is the whole of its base's axis of that stride at one index of the base's next
+    axis out, one `t` does not have (indexed away: `q[i]` of a (B, L, H, D) projection, a loop over the batch handing
+    the kernel one sample's heads, tunix's vmapped splash kernel): the call's rows are that sample's, its queries (or
+    keys) all of its own; None where it is no such index."""
+    base = t._base
+    size, stride = int(t.shape[axis]), int(t.stride(axis))
+    if base is None or size < 2 or stride == 0:
+        return None
+    axes = {int(s): int(n) for n, s in zip(base.shape, base.stride()) if int(n) > 1}
+    others = {int(s) for i, s in enumerate(t.stride()) if i != axis and int(t.shape[i]) > 1}
+    outer = stride * size
+    if axes.get(stride) != size or outer not in axes or outer in others:
+        return None
+    offset = int(t.storage_offset()) - int(base.storage_offset())
+    return (offset // outer) % axes[outer], axes[outer]
+
+
+def _per_sample(q, k, axis: int, spans: list) -> list:
+    """`spans` with a call over one sample's rows (_sample, the same index of queries and keys) read as rows of the
+    batch folded with them batch-major, its queries and keys whole; as they were otherwise."""
+    rows = int(q.shape[0])
+    one, other = _sample(q, q.dim() - 2), _sample(k, axis)
+    if one is None or one != other or spans[0] != (0, rows):
+        return spans
+    return [(one[0] * rows, one[1] * rows), (0, int(q.shape[-2])), (0, int(k.shape[axis]))]
+
+
+def one_sample(q, k) -> list | None:
+    """[[i, B], [0, Lq], [0, Lk]] where SDPA's 3-D q (H, Lq, D) and k (H, Lk, D) are one sample's heads, sample i of B
+    (_sample): the call's one row (its heads on the heads axis) is sample i of the batch; None else."""
+    try:
+        if q._base is None or k._base is None:
+            return None
+        one = _sample(q, q.dim() - 2)
+        return None if one is None or one != _sample(k, k.dim() - 2) or _span(q, 0) != (0, int(q.shape[0])) else \
+            [[one[0], one[1]], [0, int(q.shape[-2])], [0, int(k.shape[-2])]]
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
 def tile(q, k, turned: bool = False) -> list | None:
     """[[b0, B], [q0, Q], [k0, K]] of q @ kᵀ (q (.., Lq, D), k (.., Lk, D), or kᵀ (.., D, Lk) where `turned`) where one
     axis is a proper slice; None else."""
@@ -51,7 +92,7 @@ def tile(q, k, turned: bool = False) -> list | None:
                 or q._base is None and k._base is None:
             return None
         axis = k.dim() - (1 if turned else 2)
-        spans = [_span(q, 0), _span(q, q.dim() - 2), _span(k, axis)]
+        spans = _per_sample(q, k, axis, [_span(q, 0), _span(q, q.dim() - 2), _span(k, axis)])
         if any(each is None for each in spans) or all(start == 0 and total == n for (start, total), n in
                                                        zip(spans, (q.shape[0], q.shape[-2], k.shape[axis]))):
             return None
