@@ -1063,3 +1063,25 @@ def test_a_loop_handing_sdpa_one_samples_heads_is_read_against_that_samples_padd
     ids = [[0, 0, 0, 5, 6, 7], [8, 9, 10, 11, 12, 13]]
     expected = first((1, 6, 6), lambda _, q, k: k <= q and ids[0][q] != 0 and ids[0][k] == 0)
     assert tuple(hit["cell"]) == expected and "sample 0 of the batch of 2" in hit["message"]
+
+
+def test_kospeech_mask_repeated_batch_major_over_head_major_scores(tmp_path):
+    # sooftware/kospeech b4c3b3f5 (written blind, blind-lh, round 66; missed before: the scores' rows, a (H, B, ..)
+    # query viewed H * B, were read only "either way round", and the mask kept to one of the two): the (B, Q, K) mask
+    # repeated batch-major (`unsqueeze(1).repeat(1, H, 1, 1)`) over scores folded head-major (`permute(2, 0, 1, 3)`)
+    found = check_bug(tmp_path, "kospeech_speech_transformer_mha_mask_repeated_batch_major", "padding-ignored")
+    lengths, heads = [12, 7], 4  # the encoder's frames per utterance
+
+    def bad(r, q, k):  # row r is utterance r % 2; its mask is utterance r // 4's
+        return q < lengths[r % 2] and lengths[r % 2] <= k < lengths[r // heads]
+
+    assert tuple(found[0]["cell"]) == first((8, 12, 12), bad) and "head-major" in found[0]["message"]
+
+
+def test_a_key_padding_repeated_per_sample_over_scores_folded_heads_first_is_found(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "heads_first_fold_padding_repeated_per_sample", ("padding-ignored",))
+    lengths, heads = [7, 4, 5], 4
+    expected = first((12, 7, 7), lambda r, q, k: q < lengths[r % 3] and lengths[r % 3] <= k < lengths[r // heads])
+    assert tuple(hit["cell"]) == expected and "head-major" in hit["message"]

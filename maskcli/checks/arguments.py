@@ -47,13 +47,25 @@ def folded(top, rows: int, length: int) -> tuple[list, str, bool] | None:
     return None
 
 
+def _heads_first(call) -> bool:
+    """The call's folded scores came of a (H, B, ..) query viewed H * B rows, head-major (row n is sample n % B): its
+    outer axis is the module's stated head count and the inner one is not (KoSpeech's `q.permute(2, 0, 1, 3)
+    .contiguous().view(B * H, L, D)`); trace/scores.py's details["fold"] says only which axis was outer."""
+    fold = call.details.get("fold")
+    return isinstance(fold, (list, tuple)) and len(fold) == 2 and fold[0] == call.details.get("stated_heads") != fold[1]
+
+
 def _batch_major(call, top, rows: int, length: int) -> np.ndarray | None:
-    """Bool (rows, length): the model call's stated padding of its B rows laid on the call's B * H rows batch-major
-    (row n is sample n // H), where the call's scores were made from a (B, H, ..) query viewed so (trace/scores.py's
-    details["fold"]: `q.view(B * H, L, D)`); None where that layout is not known (either way round is read then)."""
+    """Bool (rows, length): the model call's stated padding of its B rows laid on the call's B * H rows as its scores
+    were: batch-major (row n is sample n // H) where they were made from a (B, H, ..) query viewed so (trace/scores.py's
+    details["fold"]: `q.view(B * H, L, D)`), head-major (n % B) where from a (H, B, ..) one (_heads_first); None where
+    that layout is not known (either way round is read then)."""
     fold = call.details.get("fold")
     if not isinstance(fold, (list, tuple)) or len(fold) != 2 or fold[0] * fold[1] != rows:
         return None
+    if _heads_first(call):
+        said = stated(top, fold[1], length)
+        return None if said is None else said[0][np.arange(rows) % fold[1]]
     said = stated(top, fold[0], length)
     return None if said is None else said[0][np.arange(rows) // fold[1]]
 
@@ -72,7 +84,8 @@ def _fold_words(call, top, rows: int, length: int, b: int = 0) -> str:
     size = next((n for n in range(2, rows // 2 + 1) if rows % n == 0 and stated(top, n, length) is not None), rows)
     each = rows // size
     if _batch_major(call, top, rows, length) is not None:
-        return f" (of the batch of {size} folded with its {each} heads batch-major, as its scores were laid out)"
+        order = "head-major" if _heads_first(call) else "batch-major"
+        return f" (of the batch of {size} folded with its {each} heads {order}, as its scores were laid out)"
     if call.shape[1] == 1 and call.details.get("stated_heads") == each:
         return f" (of the batch of {size} folded with its {each} heads, either way round)"
     return f" (of the batch of {size} folded with {each} rows of another axis each, either way round)"
@@ -198,7 +211,7 @@ def padding(run: Run) -> list:
             hidden = int((~cells[:, :, :length] & real_q[:, :, None] & real[:, None, :] & earlier).sum())
             hidden = 0 if call.details.get("scores_hide") else hidden  # (real keys its own scores zero: no mask's)
             turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: " + (
-                "another sample's padding on these heads, a repeat where repeat_interleave was meant?" if laid is not None
+                f"another sample's padding on these heads, {_misrepeated(call)} was meant?" if laid is not None
                 else "a padding mask the wrong way round?") if hidden else _outweighed(call)
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
@@ -232,6 +245,12 @@ def _statement(statements: dict, call, top, rows: int, k_len: int) -> tuple:
         return said, None, True
     said = held_readings(top, rows, k_len)  # (ids held in a batch dict, a key or two of the model's own beside)
     return (None, None, False) if said is None else (said[:3], said[3], True)
+
+
+def _misrepeated(call) -> str:
+    """How a mask laid the other way round than its folded scores was likely repeated."""
+    return "a batch-major repeat (repeat_interleave, unsqueeze(1).repeat) where a head-major repeat(H, 1, 1)" if _heads_first(call) \
+        else "a repeat where repeat_interleave"
 
 
 def text_of(said: tuple) -> bool:
