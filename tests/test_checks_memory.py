@@ -626,3 +626,28 @@ def test_a_cross_attention_masked_by_the_targets_padding_through_a_softmax_over_
     src = [[4, 9, 11, 7, 2], [6, 13, 2, 0, 0], [21, 22, 23, 24, 25]]
     tgt = [[5, 3, 8, 0, 0], [12, 14, 15, 16, 17], [18, 19, 20, 26, 0]]
     assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: tgt[b][q] != 0 and src[b][k] == 0 and tgt[b][k] != 0)
+
+
+def test_cfg_pytorch_bge_adapter_padded_embeddings_not_zeroed(tmp_path):
+    """lucidrains/classifier-free-guidance-pytorch#7 (written blind, blind-lj, round 66; missed before: the
+    cross-attention's 15 keys are a learned null key and BERT's 14, which no encoder's mask covered): the BGE adapter
+    handed on BERT's hidden states unzeroed at the padding, so the mask the conditioner derives from the embeddings kept
+    every key; the padding is BERT's own self-attention's, read over the call's keys 1-14 (the null key at 0 is the one
+    key the dropped-condition call sees)."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "cfg_pytorch_bge_adapter_pad_embeddings_not_zeroed", "encoder-padding-ignored")[0]
+    lengths = (5, 14)  # the prompts' tokens, [CLS] and [SEP] included
+    assert tuple(hit["cell"]) == first((2, 64, 15), lambda b, q, k: k >= 1 + lengths[b]), hit
+    assert "its keys the call's 1-14" in hit["message"]
+
+
+def test_a_memory_with_learned_keys_appended_read_against_its_encoders_padding(tmp_path):
+    """Written another way: nn.TransformerEncoder's padded memory with two register keys appended, its mask taken from
+    the memory's (unzeroed) values; the padding read over the call's keys 0-5, the registers after them."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "memory_with_appended_register_keys_padding_dropped", "encoder-padding-ignored", ENCODED)[0]
+    lengths = (6, 3)
+    assert tuple(hit["cell"]) == first((2, 5, 8), lambda b, q, k: lengths[b] <= k < 6), hit
+    assert "its keys the call's 0-5" in hit["message"]

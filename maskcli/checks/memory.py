@@ -88,7 +88,7 @@ def memory(run: Run) -> list:
         if tiled:  # (the image input's zero tiles: checks/tiles.py)
             said = tiled
         elif said is None and id(call) not in luong:
-            encoded = encoder_padding(run, call, read)
+            encoded = encoder_padding(run, call, read) or _with_own_keys(run, call, read)
             if encoded is None:
                 continue
             said = (encoded.real, f"the mask of {encoded.where}")
@@ -140,6 +140,39 @@ def memory(run: Run) -> list:
                 f"encoder's padding{_why(call)}"), expected="no decoder query sees a padded encoder key", source=source,
                 cell=(b, q, k))))
     return found
+
+
+def _with_own_keys(run: Run, call, read: dict):
+    """The memory's padding (memturned.Encoded) where the call's keys are an encoder's keys and a few of the attention's
+    own at one end (a learned null key prepended to the text's: classifier-free-guidance-pytorch's `null_key`), every
+    query that attends seeing those at every call of its site (a dropped condition's call sees the null key alone):
+    its own keys read as real. Where both ends read so, the reading whose padding the
+    call keeps to (if one does) is taken, so a mask right at either end is quiet; None where no end reads so."""
+    from maskcli.checks.memturned import _encoders
+
+    rows, _, _, k_len = call.shape
+    site = [one for one in (*run.cross, *run.calls) if one.where == call.where and one.shape == call.shape
+            and one.stored is not None]  # (its site's calls: cross-attentions are apart from run.calls)
+    planes = [keep(one) for one in (call, *[one for one in site if one is not call])]
+    if any(one is None or one.shape[0] not in (1, rows) for one in planes):
+        return None
+    every = [np.broadcast_to(one.any(axis=1), (rows, *one.shape[2:])) for one in planes]  # (the call's, then its site's)
+    cells, attending = every[0], every[0].any(axis=-1)
+    for keys in sorted({keys for _, keys in _encoders(run) if 2 <= keys < k_len <= keys + 16}, reverse=True):
+        said = encoder_padding(run, call, read, keys)
+        if said is None or not said.known:
+            continue
+        readings = []
+        for offset in (0, k_len - keys):
+            own = np.r_[0:offset, offset + keys:k_len]  # (seen by every query that attends, at each call of the site)
+            if all((one[:, :, own].all(axis=-1) | ~one.any(axis=-1)).all() for one in every):
+                real = np.ones((rows, k_len), dtype=bool)
+                real[:, offset:offset + keys] = said.real
+                readings.append(said._replace(real=real, where=f"{said.where}, its keys the call's {offset}-{offset + keys - 1}"))
+        kept = [one for one in readings if not (cells & attending[:, :, None] & ~one.real[:, None, :]).any()]
+        if readings:
+            return (kept or readings)[0]
+    return None
 
 
 def _across_runs(call, cells: np.ndarray, asking: np.ndarray, encoded) -> list:
