@@ -143,11 +143,11 @@ def memory(run: Run) -> list:
 
 
 def _with_own_keys(run: Run, call, read: dict):
-    """The memory's padding (memturned.Encoded) where the call's keys are an encoder's keys and a few of the attention's
+    """The memory's padding (memturned.Encoded) where the call's keys are an encoder's keys and fewer of the attention's
     own at one end (a learned null key prepended to the text's: classifier-free-guidance-pytorch's `null_key`), every
-    query that attends seeing those at every call of its site (a dropped condition's call sees the null key alone):
-    its own keys read as real. Where both ends read so, the reading whose padding the
-    call keeps to (if one does) is taken, so a mask right at either end is quiet; None where no end reads so."""
+    query that attends seeing those at every call of its site (a dropped condition's call sees the null key alone), the
+    encoder no layer of the call's own stack: its own keys read as real. Where both ends read so, the reading whose
+    padding the call keeps to (if one does) is taken, so a mask right at either end is quiet; None where none reads so."""
     from maskcli.checks.memturned import _encoders
 
     rows, _, _, k_len = call.shape
@@ -158,10 +158,11 @@ def _with_own_keys(run: Run, call, read: dict):
         return None
     every = [np.broadcast_to(one.any(axis=1), (rows, *one.shape[2:])) for one in planes]  # (the call's, then its site's)
     cells, attending = every[0], every[0].any(axis=-1)
-    for keys in sorted({keys for _, keys in _encoders(run) if 2 <= keys < k_len <= keys + 16}, reverse=True):
+    for keys in sorted({keys for _, keys in _encoders(run) if 2 <= keys < k_len < 2 * keys}, reverse=True):
         said = encoder_padding(run, call, read, keys)
-        if said is None or not said.known:
-            continue
+        if said is None or not said.known or _stack(said.where) == _stack(call.where) is not None:
+            continue  # (fewer keys of its own than the memory's; an encoder that is no layer of the call's own stack,
+            # as a decoder's self-attention over its boxes beside its cross-attention is not: surya's)
         readings = []
         for offset in (0, k_len - keys):
             own = np.r_[0:offset, offset + keys:k_len]  # (seen by every query that attends, at each call of the site)
@@ -173,6 +174,14 @@ def _with_own_keys(run: Run, call, read: dict):
         if readings:
             return (kept or readings)[0]
     return None
+
+
+def _stack(where: str) -> str | None:
+    """The module path of a call's stack of layers, before its layer number (`layers` of `layers.3.encoder_attn`); None
+    where it has no number."""
+    parts = (where or "").split(".")
+    number = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return None if number is None else ".".join(parts[:number])
 
 
 def _across_runs(call, cells: np.ndarray, asking: np.ndarray, encoded) -> list:
