@@ -1,9 +1,8 @@
 """The outermost module calls of a traced program (a model's forward, once per generate step), kept for the checks.
 
-Each keeps the module's `config` (a Hugging Face model's, or any module's attribute of that name), the arguments
-that say where tokens are, as small numpy arrays, and the range of attention calls it made
-(maskcli.checks.context.Top). Nothing the program computes changes: the arguments are read, never held.
-"""
+Each keeps the module's `config` (a Hugging Face model's, or any module's attribute of that name), the arguments that
+say where tokens are, as small numpy arrays, and the range of attention calls it made (maskcli.checks.context.Top).
+Nothing the program computes changes: the arguments are read, never held."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from maskcli.trace.fieldids import field_ids
 from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.handedshapes import handed_shapes
 from maskcli.trace.held import program_frames
-from maskcli.trace.heldids import held_ids
+from maskcli.trace.heldids import held_ids, ids_after_input
 from maskcli.trace.labelids import shifted_labels
 from maskcli.trace.modules import signature_or_none as _signature
 from maskcli.trace.padded import MOST, input_mask, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
@@ -51,8 +50,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "lang_x",  # (OpenFlamingo's and Otter's text ids beside their media: checks/media.py)
              "media_locations",  # (where a Flamingo text places its media, True at each media token: checks/mediarows.py)
              "image_mask", "image_token_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
-             "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k",
-             "global_attention_mask",  # (Longformer's and LED's global tokens: checks/globaltokens.py)
+             "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k", "global_attention_mask",  # (LED's: globaltokens.py)
              # the encoder's padding a cross-attention must keep (checks/memory.py) and the decoder's own:
              "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask",
              # a hand-written seq2seq model's two sides, each with its own pad id (checks/sides.py):
@@ -230,12 +228,14 @@ def _first_ids(signature, given: dict, found: dict) -> dict:
     seq2seq's target ids beside them (trace/targetside.py: the first ids are then the source's)."""
     if signature is None or any(name in found for name in IDS):
         return {}
-    name = next((n for n in signature.parameters if n != "self"), None)
+    names = [n for n in signature.parameters if n != "self"] or [None]  # (the first; the text's ids after an image: heldids)
+    name = next((n for n in names[1:] if ids_after_input(given, names[0], n, _NAMED)), names[0])
     value = given.get(name)
     if issubclass(type(value), torch.Tensor) and value.dim() == 2 and not value.is_floating_point() \
             and value.dtype != torch.bool and value.numel() <= MOST and value.device.type != "meta":
         return {"first_ids": (name, _int64(value)), **({"first_ids_beside": t} if (t := beside(signature.parameters, given, name)) else {})}
     return {}
+
 
 
 _CONVS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
