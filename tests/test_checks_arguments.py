@@ -1105,3 +1105,20 @@ def test_a_soft_prompts_keys_beside_the_text_are_read_with_the_texts_padding(tmp
     expected = first((2, 5, 8), lambda b, q, k: k >= prefix and k - prefix <= q and ids[b][q] != 0
                      and ids[b][k - prefix] == 0)
     assert tuple(hit["cell"]) == (expected[0], expected[1] + prefix, expected[2])  # (queries at their key columns)
+
+
+def test_ptls_transformer_seq_encoder_causal_mask_transposed_over_a_padded_batch(tmp_path):
+    # pytorch-lifestream c4058261 (written blind, blind-ku; missed until now: the batch's lengths were held by its PaddedBatch
+    # argument, `seq_lens`, never by name): `generate_square_subsequent_mask(...).t()` let each transaction see the
+    # later ones and the row's trailing padding
+    found = check_bug(tmp_path, "ptls_transformer_seq_encoder_after_mask_transposed", "padding-ignored")
+    assert "a causal mask transposed?" in found[0]["message"] and "the lengths given to Sequential" in found[0]["message"]
+
+
+def test_a_batch_objects_lengths_state_the_padding_a_transposed_causal_mask_shows(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "batch_object_lengths_causal_mask_transposed", ("padding-ignored",))
+    lengths = (7, 4)
+    expected = first((2, 7, 7), lambda b, q, k: q < lengths[b] and k >= q and k >= lengths[b])
+    assert tuple(hit["cell"]) == expected and "a causal mask transposed?" in hit["message"]

@@ -206,12 +206,14 @@ def padding(run: Run) -> list:
             step = "a decode step" if call.shape[2] == 1 and call.step > 0 else f"step {call.step}"
             # (real keys before the query, its own left out: XLNet's query stream never sees its own token, and a
             # mask that hides only that is two-stream attention, not a padding mask the wrong way round)
-            earlier = np.arange(length)[None, None, :] < np.minimum(own, length)[None, :, None]
-            real_q = real_queries(real, own)
-            hidden = int((~cells[:, :, :length] & real_q[:, :, None] & real[:, None, :] & earlier).sum())
-            hidden = 0 if call.details.get("scores_hide") else hidden  # (real keys its own scores zero: no mask's)
+            at = np.arange(length)[None, None, :] - np.minimum(own, length)[None, :, None]  # (each key's offset)
+            judged = real_queries(real, own)[:, :, None] & real[:, None, :]
+            hidden = 0 if call.details.get("scores_hide") else int((~cells[:, :, :length] & judged & (at < 0)).sum())
+            # (real keys its own scores zero hide none); no earlier real key seen, later ones seen: a causal mask .t()
+            later = not (cells[:, :, :length] & judged & (at < 0)).any() and (cells[:, :, :length] & judged & (at > 0)).any()
             turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: " + (
                 f"another sample's padding on these heads, {_misrepeated(call)} was meant?" if laid is not None
+                else "every one before its query: a causal mask transposed?" if later
                 else "a padding mask the wrong way round?") if hidden else _outweighed(call)
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
@@ -219,7 +221,8 @@ def padding(run: Run) -> list:
                 f"query {int(own[q])} sees key {k}, which {said_by} "
                 f"{'mark' if source.split(' ')[0].endswith('s') else 'marks'} as padding ({step}; {int(bad.sum())} such "
                 f"cells{turned})" + ("" if sure else f" (if token id {top.arguments.get('pad_id')} is padding there)")),
-                None if sure else "suspicious", expected="no real query sees a padding key", source=source,
+                None if sure else "suspicious", expected="no real query sees a padding key" + (
+                    BESIDE if placed and placed.startswith(" (its ") else ""), source=source,
                 cell=(b, int(own[q]), k))))
     return found
 
@@ -248,6 +251,9 @@ def _statement(statements: dict, call, top, rows: int, k_len: int) -> tuple:
         said = _beside_others(top, rows, k_len)
         return (None, None, False) if said is None else (said[:3], said[3], True)
     return (said[:3], said[3], True)
+
+
+BESIDE = " (the stated tokens read at either end of the keys)"  # (no cause named: engine.py keeps padding-unused)
 
 
 def _beside_others(top, rows: int, k_len: int) -> tuple | None:

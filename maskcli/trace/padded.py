@@ -5,6 +5,7 @@ mask named for an integer input beside it, kept with that input's tokens as ids 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -118,3 +119,28 @@ def input_mask(given: dict) -> dict:
         ids = np.unique(tokens, axis=0, return_inverse=True)[1].reshape(flags.shape)
         return {"input_mask_of": (name, name[:-len("_mask")], flags, ids)}
     return {}
+
+
+PAYLOADS = ("payload", "padded", "data")  # (the padded tensor a batch object holds beside its rows' lengths)
+
+
+def batch_object(signature, given: dict) -> dict:
+    """{first argument's name: its padded tensor, "lengths": each row's length} where a model call's first argument is
+    a batch object holding both as attributes (pytorch-lifestream's PaddedBatch: `payload`, a tensor or a dict of one per
+    feature, and `seq_lens`), read statically
+    (checks/configread.read: never the object's __getattr__); {} else, or where the call is handed lengths by name."""
+    from maskcli.checks.configread import read
+
+    name = next((n for n in signature.parameters if n != "self"), None) if signature is not None else None
+    held = given.get(name)
+    if held is None or isinstance(held, (torch.Tensor, Mapping, list, tuple, str, int, float)) \
+            or any(issubclass(type(given.get(n)), torch.Tensor) for n in LENGTHS):
+        return {}
+    lengths = next((v for n in LENGTHS if issubclass(type(v := read(held, n)), torch.Tensor) and v.dim() == 1
+                    and not v.is_floating_point() and v.dtype != torch.bool), None)
+    if lengths is None:
+        return {}
+    held = next((v for n in PAYLOADS if (v := read(held, n)) is not None), None)  # (a tensor, or a dict of them: one
+    payload = next((v for v in (held.values() if isinstance(held, dict) else (held,))  # per feature, ptls's records)
+                    if issubclass(type(v), torch.Tensor) and v.dim() >= 2 and v.shape[0] == lengths.shape[0]), None)
+    return {} if payload is None else {name: payload, "lengths": lengths}

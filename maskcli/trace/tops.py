@@ -26,7 +26,7 @@ from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids, ids_after_input
 from maskcli.trace.labelids import shifted_labels
 from maskcli.trace.modules import signature_or_none as _signature
-from maskcli.trace.padded import MOST, input_mask, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
+from maskcli.trace.padded import MOST, batch_object, input_mask, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
 from maskcli.trace.samplefields import sample_fields
 from maskcli.trace.samplerows import sample_rows
 from maskcli.trace.targetmap import target_mapping
@@ -92,7 +92,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     `held`: what was read of the program's frames as the call ran (`withheld`); `cached`: what `cache_read` read of
     its cache as the call ended, where the Top is made later (trace/later.py)."""
     signature, given = _given(module, args, kwargs)
-    found = {}
+    given, found = {**given, **batch_object(signature, given)}, {}  # (a batch object's tensor and lengths: padded.py)
     for name in _NAMED:
         value = given.get(name)
         if value is None:  # (most of these names are not the call's: one lookup each, every step)
