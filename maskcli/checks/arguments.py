@@ -18,7 +18,7 @@ from maskcli.checks.context import Run, beside_memory, cross, first_cell, keep, 
 from maskcli.checks.heldpad import held_readings
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.real import kept_turned, stated, stated_once
-from maskcli.checks.spans import in_tower
+from maskcli.checks.towers import in_tower
 from maskcli.checks.permuted import reordered
 from maskcli.checks.registry import Rule
 from maskcli.checks.tiled import batch_part, chunk_readings

@@ -38,17 +38,10 @@ from maskcli.checks.context import Run, columns_are_positions, first_cell, keep,
 from maskcli.checks.intent import intent
 from maskcli.checks.configread import text_part
 from maskcli.checks.registry import Rule
+from maskcli.checks.towers import in_tower
 from maskcli.text import Finding
 
 LONGEST = 40  # an expected expression longer than this is printed with blocks(...) (--json carries it whole)
-TOWERS = ("vision_tower", "audio_tower", "vision_model", "audio_model", "visual", "vision_encoder", "audio_encoder",
-          "speech_encoder", "image_encoder")  # a multimodal model's media encoders, inside the same model call
-
-
-def in_tower(call) -> bool:
-    """The call is a media encoder's (its module path passes through one of TOWERS: Qwen2-Audio's
-    `model.audio_tower.layers.0.self_attn`): its keys are frames or patches, not the model call's text tokens."""
-    return any(word in (call.where or "").split(".") for word in TOWERS)
 
 
 def runs(is_span: np.ndarray) -> np.ndarray:
