@@ -1087,26 +1087,6 @@ def test_a_key_padding_repeated_per_sample_over_scores_folded_heads_first_is_fou
     assert tuple(hit["cell"]) == expected and "head-major" in hit["message"]
 
 
-def test_flava_multimodal_encoder_attends_the_texts_padding(tmp_path):
-    # facebookresearch/multimodal#530 (written blind, batch blind-q; missed until now: the model call's text ids, its second
-    # argument after the image, were not read, and its 11 keys are 5 of the image's beside the 6 text tokens): the
-    # multimodal encoder ran over [image; text] with no mask, every token attending the shorter caption's [PAD]s
-    found = check_bug(tmp_path, "flava_multimodal_encoder_attends_text_padding", "padding-ignored")
-    b, q, k = found[0]["cell"]
-    assert "(its 11 keys read as the 6 tokens stated beside 5 of another input at either end)" in found[0]["message"]
-    assert found[0]["source"].startswith("input ids") and (b, q) == (1, 0) and k >= 5
-
-
-def test_a_soft_prompts_keys_beside_the_text_are_read_with_the_texts_padding(tmp_path):
-    from checkbugs import caught, first
-
-    hit = caught(tmp_path, "soft_prompt_keys_prepended_text_padding_dropped", ("padding-ignored",))
-    ids, prefix = [[0, 0, 7, 8, 9], [10, 11, 12, 13, 14]], 3
-    expected = first((2, 5, 8), lambda b, q, k: k >= prefix and k - prefix <= q and ids[b][q] != 0
-                     and ids[b][k - prefix] == 0)
-    assert tuple(hit["cell"]) == (expected[0], expected[1] + prefix, expected[2])  # (queries at their key columns)
-
-
 def test_ptls_transformer_seq_encoder_causal_mask_transposed_over_a_padded_batch(tmp_path):
     # pytorch-lifestream c4058261 (written blind, blind-ku; missed until now: the batch's lengths were held by its PaddedBatch
     # argument, `seq_lens`, never by name): `generate_square_subsequent_mask(...).t()` let each transaction see the

@@ -221,8 +221,7 @@ def padding(run: Run) -> list:
                 f"query {int(own[q])} sees key {k}, which {said_by} "
                 f"{'mark' if source.split(' ')[0].endswith('s') else 'marks'} as padding ({step}; {int(bad.sum())} such "
                 f"cells{turned})" + ("" if sure else f" (if token id {top.arguments.get('pad_id')} is padding there)")),
-                None if sure else "suspicious", expected="no real query sees a padding key" + (
-                    BESIDE if placed and placed.startswith(" (its ") else ""), source=source,
+                None if sure else "suspicious", expected="no real query sees a padding key", source=source,
                 cell=(b, int(own[q]), k))))
     return found
 
@@ -247,32 +246,7 @@ def _statement(statements: dict, call, top, rows: int, k_len: int) -> tuple:
     if said is not None:
         return said, None, True
     said = held_readings(top, rows, k_len)  # (ids held in a batch dict, a key or two of the model's own beside)
-    if said is None:
-        said = _beside_others(top, rows, k_len)
-        return (None, None, False) if said is None else (said[:3], said[3], True)
-    return (said[:3], said[3], True)
-
-
-BESIDE = " (the stated tokens read at either end of the keys)"  # (no cause named: engine.py keeps padding-unused)
-
-
-def _beside_others(top, rows: int, k_len: int) -> tuple | None:
-    """([real (rows, Lk) with the stated tokens last, first], source, sure, placed): the model call's padding of its T
-    tokens where the call's keys are those T beside others at one end, read as real (FLAVA's multimodal encoder over
-    [image patches; text], its text's padding stated by the ids at the pad id), each end a reading; None where the model
-    call states no padding of fewer tokens than the keys."""
-    from maskcli.checks.real import TOKENS
-
-    given = [top.arguments.get(n) for n in ("attention_mask", *TOKENS)] + [(top.arguments.get("first_ids") or (0, 0))[1]]
-    for length in sorted({a.shape[1] for a in given if isinstance(a, np.ndarray) and a.ndim == 2}, reverse=True):
-        said = stated(top, rows, length) if 1 < length < k_len else None
-        if said is not None and not said[0].all():
-            real, others = np.broadcast_to(said[0], (rows, length)), np.ones((rows, k_len - length), dtype=bool)
-            placed = (f" (its {k_len} keys read as the {length} tokens stated beside {k_len - length} of another input "
-                      "at either end)")
-            return [np.concatenate([others, real], axis=1), np.concatenate([real, others], axis=1)], said[1], said[2], \
-                placed
-    return None
+    return (None, None, False) if said is None else (said[:3], said[3], True)
 
 
 def _misrepeated(call) -> str:

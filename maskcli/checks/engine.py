@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from maskcli.checks.context import Run, cross, masked_somewhere, queries
 from maskcli.checks import config
-from maskcli.checks.arguments import BESIDE, over_stated_padding
+from maskcli.checks.arguments import over_stated_padding
 from maskcli.checks.backward import backward_streams
 from maskcli.checks.registry import given, severity
 from maskcli.checks.lookahead import within
@@ -120,8 +120,7 @@ def apply(groups: list, run: Run) -> list:
         codes = {f.code for f in group.findings}
         if any(f.code == "fill-became-inf" and f.severity is None for f in group.findings):
             codes.add("fill-became-inf (wrong)")
-        if any(f.code == "padding-ignored" and not (f.source or "").startswith("input ids") and BESIDE not in
-               (f.expected or "") for f in group.findings):  # (not a reading of keys beside another input's: arguments)
+        if any(f.code == "padding-ignored" and not (f.source or "").startswith("input ids") for f in group.findings):
             codes.add("padding-ignored (a mask)")
         gone = {code for code, by in SAID_BY.items() if codes & by}
         if any(severity(f) == "wrong" for f in group.findings if f.code != "prefill-chunks-differ" and f.code not in gone):

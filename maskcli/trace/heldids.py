@@ -81,13 +81,3 @@ def _padding_idx(module) -> int | None:
 
 
 _PADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per model: read once, however many steps call it
-
-
-def ids_after_input(given: dict, first: str, name: str, named: tuple) -> bool:
-    """`name` is the text's ids after a first input of another kind: the first argument a float tensor of 3 or more
-    axes (an image, features) and `name` the text (`forward(self, image, text)`: FLAVA's), a 2-D integer tensor not
-    named as anything but ids (`named`: what tops.py keeps by name; a mask, labels, positions: NOT_IDS)."""
-    lead, value = given.get(first), given.get(name)
-    return issubclass(type(lead), torch.Tensor) and lead.is_floating_point() and lead.dim() >= 3 \
-        and issubclass(type(value), torch.Tensor) and value.dim() == 2 and not value.is_floating_point() \
-        and value.dtype != torch.bool and name not in named and not any(word in name for word in NOT_IDS)

@@ -23,7 +23,7 @@ from maskcli.trace.fieldids import field_ids
 from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.handedshapes import handed_shapes
 from maskcli.trace.held import program_frames
-from maskcli.trace.heldids import held_ids, ids_after_input
+from maskcli.trace.heldids import held_ids
 from maskcli.trace.labelids import shifted_labels
 from maskcli.trace.modules import signature_or_none as _signature
 from maskcli.trace.padded import MOST, batch_object, input_mask, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
@@ -228,8 +228,7 @@ def _first_ids(signature, given: dict, found: dict) -> dict:
     seq2seq's target ids beside them (trace/targetside.py: the first ids are then the source's)."""
     if signature is None or any(name in found for name in IDS):
         return {}
-    names = [n for n in signature.parameters if n != "self"] or [None]  # (the first; the text's ids after an image: heldids)
-    name = next((n for n in names[1:] if ids_after_input(given, names[0], n, _NAMED)), names[0])
+    name = next((n for n in signature.parameters if n != "self"), None)
     value = given.get(name)
     if issubclass(type(value), torch.Tensor) and value.dim() == 2 and not value.is_floating_point() \
             and value.dtype != torch.bool and value.numel() <= MOST and value.device.type != "meta":
