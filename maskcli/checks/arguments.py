@@ -207,10 +207,10 @@ def padding(run: Run) -> list:
             # (real keys before the query, its own left out: XLNet's query stream never sees its own token, and a
             # mask that hides only that is two-stream attention, not a padding mask the wrong way round)
             at = np.arange(length)[None, None, :] - np.minimum(own, length)[None, :, None]  # (each key's offset)
-            judged = real_queries(real, own)[:, :, None] & real[:, None, :]
-            hidden = 0 if call.details.get("scores_hide") else int((~cells[:, :, :length] & judged & (at < 0)).sum())
+            judged, seen = real_queries(real, own)[:, :, None] & real[:, None, :], cells[:, :, :length]
+            hidden = 0 if call.details.get("scores_hide") else int((~seen & judged & (at < 0)).sum())
             # (real keys its own scores zero hide none); no earlier real key seen, later ones seen: a causal mask .t()
-            later = not (cells[:, :, :length] & judged & (at < 0)).any() and (cells[:, :, :length] & judged & (at > 0)).any()
+            later = not (seen & judged & (at < 0)).any() and (seen & judged & (at > 0)).any()
             turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: " + (
                 f"another sample's padding on these heads, {_misrepeated(call)} was meant?" if laid is not None
                 else "every one before its query: a causal mask transposed?" if later

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, crossing, first_cell, keep
-from maskcli.checks.memturned import encoder_padding
+from maskcli.checks.context import Run, _block, cross, crossing, first_cell, keep
+from maskcli.checks.memturned import encoder_padding, own_key_ends
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.checks.tiles import tile_padding
@@ -148,8 +148,6 @@ def _with_own_keys(run: Run, call, read: dict):
     query that attends seeing those at every call of its site (a dropped condition's call sees the null key alone), the
     encoder no layer of the call's own stack: its own keys read as real. Where both ends read so, the reading whose
     padding the call keeps to (if one does) is taken, so a mask right at either end is quiet; None where none reads so."""
-    from maskcli.checks.memturned import _encoders
-
     rows, _, _, k_len = call.shape
     site = [one for one in (*run.cross, *run.calls) if one.where == call.where and one.shape == call.shape
             and one.stored is not None]  # (its site's calls: cross-attentions are apart from run.calls)
@@ -158,18 +156,15 @@ def _with_own_keys(run: Run, call, read: dict):
         return None
     every = [np.broadcast_to(one.any(axis=1), (rows, *one.shape[2:])) for one in planes]  # (the call's, then its site's)
     cells, attending = every[0], every[0].any(axis=-1)
-    for keys in sorted({keys for _, keys in _encoders(run) if 2 <= keys < k_len < 2 * keys}, reverse=True):
-        said = encoder_padding(run, call, read, keys)
-        if said is None or not said.known or _stack(said.where) == _stack(call.where) is not None:
-            continue  # (fewer keys of its own than the memory's; an encoder that is no layer of the call's own stack,
-            # as a decoder's self-attention over its boxes beside its cross-attention is not: surya's)
+    for said, keys, ends in own_key_ends(run, call, every, read, lambda keys, k_len: k_len < 2 * keys):
+        if _stack(said.where) == _stack(call.where) is not None:
+            continue  # (an encoder that is no layer of the call's own stack, as a decoder's self-attention over its
+            # boxes beside its cross-attention is not: surya's)
         readings = []
-        for offset in (0, k_len - keys):
-            own = np.r_[0:offset, offset + keys:k_len]  # (seen by every query that attends, at each call of the site)
-            if all((one[:, :, own].all(axis=-1) | ~one.any(axis=-1)).all() for one in every):
-                real = np.ones((rows, k_len), dtype=bool)
-                real[:, offset:offset + keys] = said.real
-                readings.append(said._replace(real=real, where=f"{said.where}, its keys the call's {offset}-{offset + keys - 1}"))
+        for offset in ends:
+            real = np.ones((rows, k_len), dtype=bool)
+            real[:, offset:offset + keys] = said.real
+            readings.append(said._replace(real=real, where=f"{said.where}, its keys the call's {offset}-{offset + keys - 1}"))
         kept = [one for one in readings if not (cells & attending[:, :, None] & ~one.real[:, None, :]).any()]
         if readings:
             return (kept or readings)[0]
@@ -177,11 +172,10 @@ def _with_own_keys(run: Run, call, read: dict):
 
 
 def _stack(where: str) -> str | None:
-    """The module path of a call's stack of layers, before its layer number (`layers` of `layers.3.encoder_attn`); None
-    where it has no number."""
-    parts = (where or "").split(".")
-    number = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-    return None if number is None else ".".join(parts[:number])
+    """The module path of a call's stack of layers, before its layer number (`layers` of `layers.3.encoder_attn`, the
+    block context._block names less its number); None where it has no number."""
+    head, _, number = _block(where).rpartition(".")
+    return head if number.isdigit() else None
 
 
 def _across_runs(call, cells: np.ndarray, asking: np.ndarray, encoded) -> list:

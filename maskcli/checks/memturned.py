@@ -261,22 +261,30 @@ def _turned(cells: np.ndarray, real: np.ndarray) -> np.ndarray | None:
     return sees_pad
 
 
+def own_key_ends(run: Run, call, planes: list, read: dict, fits):
+    """(Encoded, keys, ends) for each count of keys an encoder attends (the largest first) that `fits(keys, Lk)` the
+    call's Lk keys, and whose padding that encoder states: `ends` the offsets of its keys among the call's (0: the
+    attention's own keys after them; Lk - keys: before them) where every query that attends sees the own keys, in each
+    of `planes` (bool (rows, Lq, Lk): the call's cells, and those of other calls of its site)."""
+    k_len = planes[0].shape[2]
+    for keys in sorted({keys for _, keys in _encoders(run) if 2 <= keys < k_len and fits(keys, k_len)}, reverse=True):
+        said = encoder_padding(run, call, read, keys)
+        if said is None or not said.known:
+            continue
+        ends = [offset for offset in (0, k_len - keys) if all(
+            (plane[:, :, np.r_[0:offset, offset + keys:k_len]].all(axis=-1) | ~plane.any(axis=-1)).all()
+            for plane in planes)]
+        yield said, keys, ends
+
+
 def _beside(run: Run, call, cells: np.ndarray, read: dict) -> tuple:
     """(Encoded, offset): the memory's padding where the call's keys are an encoder's keys and a few of the attention's
     own at one end, every query that attends seeing those (a learned null key prepended, muse-maskgit's `null_kv`;
     memory tokens appended), at the one end where that reading is a turned mask and the other is no correct one (a
     mask whose queries see only keys the encoder calls real); (None, 0) where none or both read so."""
-    k_len = cells.shape[2]
-    attending = cells.any(axis=-1)
-    for keys in sorted({keys for _, keys in _encoders(run) if 2 <= keys < k_len <= keys + 16}, reverse=True):
-        said = encoder_padding(run, call, read, keys)
-        if said is None or not said.known:
-            continue
-        extra, verdicts = k_len - keys, {}
-        for offset in (0, extra):
-            own = np.r_[0:offset, offset + keys:k_len]
-            if not (cells[:, :, own].all(axis=-1) | ~attending).all():
-                continue
+    for said, keys, ends in own_key_ends(run, call, [cells], read, lambda keys, k_len: k_len <= keys + 16):
+        verdicts = {}
+        for offset in ends:
             sub = cells[:, :, offset:offset + keys]
             verdicts[offset] = ("right" if not (sub & ~said.real[:, None, :]).any() else
                                 "turned" if _turned(sub, said.real) is not None else "other")

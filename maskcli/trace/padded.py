@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from maskcli.checks.configread import read
 from maskcli.checks.real import LENGTHS  # (each row's real tokens, by the names a model call takes them)
 
 MOST = 1 << 20  # elements of one model-call argument kept (a batch's 2-D ids; never a 4-D mask): tops.py's too
@@ -127,10 +128,8 @@ PAYLOADS = ("payload", "padded", "data")  # (the padded tensor a batch object ho
 def batch_object(signature, given: dict) -> dict:
     """{first argument's name: its padded tensor, "lengths": each row's length} where a model call's first argument is
     a batch object holding both as attributes (pytorch-lifestream's PaddedBatch: `payload`, a tensor or a dict of one per
-    feature, and `seq_lens`), read statically
-    (checks/configread.read: never the object's __getattr__); {} else, or where the call is handed lengths by name."""
-    from maskcli.checks.configread import read
-
+    feature, and `seq_lens`), read statically (checks/configread.read: never the object's __getattr__); {} else, or
+    where the call is handed lengths by name."""
     name = next((n for n in signature.parameters if n != "self"), None) if signature is not None else None
     held = given.get(name)
     if held is None or isinstance(held, (torch.Tensor, Mapping, list, tuple, str, int, float)) \

@@ -61,25 +61,19 @@ def _sample(t, axis: int) -> tuple[int, int] | None:
     return (offset // outer) % axes[outer], axes[outer]
 
 
-def _per_sample(q, k, axis: int, spans: list) -> list:
-    """`spans` with a call over one sample's rows (_sample, the same index of queries and keys) read as rows of the
-    batch folded with them batch-major, its queries and keys whole; as they were otherwise."""
-    rows = int(q.shape[0])
-    one, other = _sample(q, q.dim() - 2), _sample(k, axis)
-    if one is None or one != other or spans[0] != (0, rows):
-        return spans
-    return [(one[0] * rows, one[1] * rows), (0, int(q.shape[-2])), (0, int(k.shape[axis]))]
+def _sample_of(q, k, axis: int) -> tuple[int, int] | None:
+    """(i, B) where q (.., Lq, D) and k (its positions on `axis`) are sample i of B's own (_sample, the same index of
+    both), q's leading axis whole (that sample's heads); None else."""
+    one = _sample(q, q.dim() - 2)
+    return one if one is not None and one == _sample(k, axis) and _span(q, 0) == (0, int(q.shape[0])) else None
 
 
 def one_sample(q, k) -> list | None:
     """[[i, B], [0, Lq], [0, Lk]] where SDPA's 3-D q (H, Lq, D) and k (H, Lk, D) are one sample's heads, sample i of B
-    (_sample): the call's one row (its heads on the heads axis) is sample i of the batch; None else."""
+    (_sample_of): the call's one row (its heads on the heads axis) is sample i of the batch; None else."""
     try:
-        if q._base is None or k._base is None:
-            return None
-        one = _sample(q, q.dim() - 2)
-        return None if one is None or one != _sample(k, k.dim() - 2) or _span(q, 0) != (0, int(q.shape[0])) else \
-            [[one[0], one[1]], [0, int(q.shape[-2])], [0, int(k.shape[-2])]]
+        one = None if q._base is None or k._base is None else _sample_of(q, k, k.dim() - 2)
+        return None if one is None else [list(one), [0, int(q.shape[-2])], [0, int(k.shape[-2])]]
     except (RuntimeError, NotImplementedError, AttributeError, TypeError):
         return None
 
@@ -92,7 +86,9 @@ def tile(q, k, turned: bool = False) -> list | None:
                 or q._base is None and k._base is None:
             return None
         axis = k.dim() - (1 if turned else 2)
-        spans = _per_sample(q, k, axis, [_span(q, 0), _span(q, q.dim() - 2), _span(k, axis)])
+        one, rows = _sample_of(q, k, axis), int(q.shape[0])  # (one sample's rows: batch-major, its queries and keys whole)
+        spans = [(one[0] * rows, one[1] * rows), (0, int(q.shape[-2])), (0, int(k.shape[axis]))] if one is not None \
+            else [_span(q, 0), _span(q, q.dim() - 2), _span(k, axis)]
         if any(each is None for each in spans) or all(start == 0 and total == n for (start, total), n in
                                                        zip(spans, (q.shape[0], q.shape[-2], k.shape[axis]))):
             return None

@@ -236,7 +236,6 @@ def _first_ids(signature, given: dict, found: dict) -> dict:
     return {}
 
 
-
 _CONVS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 STRIDED = 16  # convolutions and poolings of one model read, in module order
 
