@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from checkbugs import check_bug
+from checkbugs import check_bug, traced
 from maskcli.checks.blocksteps import _judged
 
 BLOCKSTEPS = Path(__file__).parent / "data" / "blocksteps"
@@ -79,3 +79,16 @@ def test_packed_segments_of_other_sizes_are_no_blocks(monkeypatch):
     image = np.repeat(np.arange(3), [12, 4, 8])
     cells = (image[:, None] == image[None, :])[None, None]
     assert _judged(SimpleNamespace(shape=cells.shape, where="x", stored={"cells": cells}), 12, np.ones((12, 12), bool)) is None
+
+
+def test_requests_packed_into_one_row_over_their_own_caches_are_not_drafted_blocks(tmp_path):
+    """transformers' continuous batching (tests/data/quiet_blind, written blind, batch quiet-r68a) written another way
+    (tests/data/caches): each step packs its requests into one row, each over its own cached keys, causal within its
+    block. A step of two requests of 4 new tokens beside steps of 2 + 2 and of one token each is no drafter's blocks:
+    no key before the blocks' own is seen by two of them (blocks drafted from one sequence share its context). Said as
+    blocks-differ-from-steps before; quiet now."""
+    status, found, report = traced(tmp_path, "packed_requests_one_row_per_step_own_caches", False,
+                                   Path(__file__).parent / "data" / "caches")
+    assert status == 0, report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert "local(4)" in report, report  # (the step of two 4-token requests was read as two blocks of 4)

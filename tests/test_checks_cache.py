@@ -253,3 +253,27 @@ def test_whisperspeech_s2a_prompt_never_prefilled_is_flagged_and_its_fix_is_not(
     # generate prefilled the start column alone, so every decode step attends the prompt's empty cache slots
     hit = check_bug(tmp_path, "whisperspeech_s2a_prompt_never_prefilled_into_kv_cache", "unwritten-slot")[0]
     assert "sees cache slot 1, which holds no key (its K and V are zero)" in hit["message"].replace("\n", " ")
+
+
+def test_ring_buffer_slots_whose_input_pos_is_each_rows_rope_position_are_not_unwritten_slots(tmp_path):
+    """JetStream's engine (tests/data/quiet_blind, written blind, batch quiet-r68a) written another way
+    (tests/data/caches): decode slots share one ring buffer and one write pointer; the model call is handed `input_pos`,
+    one RoPE position per slot (2 slots), and its one query per slot padded to 2 rows, so the positions are as many as
+    the call's query rows. They are not the step's write positions (the tokens are (2, 1): one per row), so no slot
+    past them is read as unwritten. Its reference run (each request alone, one call per layer in a loop, beside the
+    prefill buckets `prefill_lengths = [4, 8]`) is two layers of one sequence, not two rows cut short (segments-cut).
+    Both were said before; quiet now."""
+    status, found, report = traced(tmp_path, "ring_buffer_slots_padded_query_per_row_positions", False,
+                                   Path(__file__).parent / "data" / "caches")
+    assert status == 0, report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert "(2,2,2,16)" in report.replace("\n", "").replace(" ", ""), report  # (the padded decode steps were read)
+
+
+def test_moss_tts_local_transformer_static_cache_under_flash_attends_empty_slots(tmp_path):
+    """OpenMOSS/MOSS-TTS#52 (written blind, batch blind-lp; caught before any rule was changed for it): the realtime
+    local transformer decoded each frame's codebooks over a preallocated StaticCache, and under flash_attention_2 (no
+    mask) every step also attended the cache's empty slots. The fix uses a DynamicCache there."""
+    found = check_bug(tmp_path, "moss_tts_realtime_local_transformer_static_cache_flash_attends_empty_slots",
+                      "unwritten-slot")
+    assert "query 1 sees cache slot 2 of 8, which holds no key yet" in " ".join(found[0]["message"].split())

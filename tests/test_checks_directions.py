@@ -321,3 +321,17 @@ def test_the_batch_is_laid_on_the_folded_rows_batch_major():
     assert [list(row) for row in said[0]] == [list(mask[n // 3]) for n in range(6)] and said[1:] == ("attention_mask", True)
     call.details["stated_heads"] = 2
     assert folded(call, None, 6, 3, lambda *a: (mask, "m", True)) is None
+
+
+def test_paligemma_text_queries_run_causal_padded_and_both_ways_alone(tmp_path):
+    """ColPali's fix (written blind, batch blind-ls) run on transformers 5: PaliGemmaConfig sets its text config's
+    `use_bidirectional_attention=True`, so its attention modules say is_causal=False, yet PaliGemmaModel hands a padded
+    batch of text queries (no token_type_ids) a 4-D causal mask, while the same query alone gets no mask and SDPA runs
+    it both ways. The program itself measures the two apart (its own reference: the query run alone); the checks say
+    the contradiction of the library's own statements (tests/data/directions)."""
+    status, found, report = traced(tmp_path, "paligemma_text_only_queries_and_image_documents", False, DIRECTIONS)
+    assert status == 1, report
+    said = [f for f in found if f["code"] == "causal-but-said-not"]
+    assert len(said) == 2 and all("a causal mask on this batch shape only" in f["message"] for f in said), report
+    gaps = [float(line.rsplit(" ", 1)[1]) for line in report.splitlines() if "padded in the batch vs alone" in line]
+    assert len(gaps) == 2 and min(gaps) > 0.1, report  # (the two readings of one query differ, as the finding says)

@@ -292,3 +292,11 @@ def test_a_bool_bias_filled_on_the_pads_of_a_cross_attention_masks_nothing(tmp_p
     assert bias.tolist() == [[True, False, False]] and torch.softmax(torch.zeros(1, 3) + bias, -1)[0, 0] > 0
     [hit] = check_bug(tmp_path, "audio_caption_cross_attention_bool_bias_left_padded", "bool-added", folder=FILLS)
     assert "(12, 1, 8)" in hit["message"] and "audio_caption_cross_attention_bool_bias_left_padded.py:32" in hit["message"]
+
+
+def test_espresso_streaming_chunk_mask_added_as_bool_to_relative_position_scores(tmp_path):
+    """freewym/espresso f823f17e (written blind, batch blind-lv; caught before any rule was changed for it): the
+    streaming encoder's chunk mask stayed bool, `masked_fill(..., -1e8)` left it so, and the relative-position path
+    added it to the scores: +1 on the keys it meant to hide. The fix casts it to the scores' dtype first."""
+    found = check_bug(tmp_path, "espresso_chunk_streaming_bool_attn_mask_added_to_scores", "bool-added")
+    assert "a bool mask (1, 12, 12) is added to the scores" in " ".join(found[0]["message"].split())

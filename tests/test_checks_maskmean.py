@@ -158,3 +158,10 @@ def test_lobster_ume_embedding_mean_pooled_over_its_padding(tmp_path):
     `embeddings.mean(dim=1)`; the fix sums over the attention_mask and divides by its count."""
     [hit] = check_bug(tmp_path, "lobster_ume_embed_mean_pool_over_padding", "mean-over-padding")
     assert "averages all 24 positions, the padding at positions 12," in " ".join(hit["message"].split())
+
+
+def test_lightrag_hf_embed_mean_pooled_over_its_padding(tmp_path):
+    """HKUDS/LightRAG#3675 (written blind, batch blind-ls; caught before any rule was changed for it): `hf_embed` took
+    `last_hidden_state.mean(dim=1)` of a right-padded BERT batch; the fix averages over the attention mask."""
+    [hit] = check_bug(tmp_path, "lightrag_hf_embed_mean_over_padded_batch", "mean-over-padding")[:1]
+    assert "averages all 27 positions, the padding at positions 10," in " ".join(hit["message"].split())

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import maskcli
-from checkbugs import check_bug, first
+from checkbugs import check_bug, first, traced as traced_program
 from maskcli.checks.padids import id_padding
 from maskcli.checks.registry import severity
 
@@ -243,3 +243,15 @@ def test_a_loss_mask_named_plain_mask_that_counts_the_stop_padding_is_no_padding
     with maskcli.trace() as t, torch.no_grad():
         CausalLM()(idx, targets=targets, mask=mask)
     assert [f.code for group in t.groups() for f in group.findings if f.code == "pad-ids-unmasked"] == []
+
+
+def test_an_eos_that_pads_kept_once_after_each_text_is_no_unmasked_padding(tmp_path):
+    """The DPO reference implementation's collator (tests/data/quiet_blind, written blind, batch quiet-r69a) written
+    another way (tests/data/padids): the tokenizer pads with its EOS id, each text ends with one EOS the mask keeps and
+    the copies after it are masked, the longest text truncated without its EOS. The ids' run of the pad id starts with
+    that kept EOS: the mask keeps one token of the run, its terminator, and masks the rest. Said as pad-ids-unmasked
+    before; quiet now."""
+    status, found, report = traced_program(tmp_path, "sft_batch_eos_as_pad_each_text_keeps_its_eos", False, PADIDS)
+    assert status == 0, report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert "causal (--lengths 7,4,5)" in report, report

@@ -230,3 +230,31 @@ def test_a_librarys_own_pooler_reading_its_encoders_output_is_quiet(tmp_path):
     status, found, report = traced(tmp_path, "bert_left_padded_library_pooler_correct", False, POOLPAD)
     assert status == 0 and not [f for f in found if f["code"] == "pooled-at-padding"], report
     assert "matches each text alone: True" in report, report
+
+
+def test_lm_human_preference_reward_read_at_a_pad_of_truncated_responses(tmp_path):
+    """vwxyzjn/lm-human-preference-details 76dfe89 (written blind, batch blind-lw; caught once the last of a model
+    output's `hidden_states` and a head's `gain * r + bias` were followed): PPO's rollout truncated each response after
+    its stop token and padded the rest, and `get_reward` read `reward[:, -1]` of a head over
+    `output.hidden_states[-1]`, a pad slot of every truncated row. The fix moves the pads to the left first."""
+    [hit] = check_bug(tmp_path, "lm_human_preference_details_ppo_postprocessed_reward_reads_pad", "pooled-at-padding")
+    message = " ".join(hit["message"].split())
+    assert "batch row 0 (and rows 5, 6) of reward_model.pretrained_model's output is read at position 35" in message
+    assert "padded on the left and right" in message
+
+
+def test_a_critic_value_from_the_last_hidden_states_read_at_the_last_column(tmp_path):
+    """The same slip written another way (tests/data/pooledat): a Llama causal LM asked for its hidden states, a value
+    head `head(hidden_states[-1]) * scale + shift`, each episode's value read at `[:, -1]` of a right-padded rollout
+    (rows 1 and 2 padded). The fix gathers each row's last real token."""
+    [hit] = check_bug(tmp_path, "critic_hidden_states_last_layer_value_read_at_last_column", "pooled-at-padding",
+                      POOLPAD)
+    assert tuple(hit["cell"]) == (1, 6, 6)  # (row 1's tokens are 0-3: position 6 is its padding)
+
+
+def test_skyrl_tx_sampler_right_padded_prompts_first_token_read_at_a_pad(tmp_path):
+    """NovaSky-AI/SkyRL#747 (written blind, batch blind-lw; caught before any rule was changed for it): the tinker
+    sampler right-padded its prompts for a generator written for left padding, so every shorter prompt's first token
+    was sampled from a pad slot's output (`[:, -1]`). The fix pads on the left."""
+    [hit] = check_bug(tmp_path, "skyrl_tx_tinker_sample_batch_right_padded_prompts", "pooled-at-padding")[:1]
+    assert "of Qwen3ForCausalLM's output is pooled at position 31 by [:, -1]" in " ".join(hit["message"].split())

@@ -467,3 +467,28 @@ def test_a_request_extended_behind_a_cached_system_prompt_without_its_causal_par
     assert all("3 queries behind 6 cached keys" in f["message"] for f in lost)
     assert [f["code"] for f in found if f["severity"] == "wrong" and f not in lost] == ["prefill-chunks-differ"]
     check_bug(tmp_path, "prefix_cache_hit_extend_not_causal", "causal-lost", folder=STEPS)
+
+
+def test_a_batch_concatenated_then_filtered_is_not_held_to_its_last_prefills_rows(tmp_path):
+    """TGI's CausalLMBatch (tests/data/quiet_blind, written blind, batch quiet-r67a) written another way
+    (tests/data/caches): a running batch of 2 and a newly prefilled batch of 2 concatenated into 4 rows (re-left-padded),
+    then filtered back to 2 rows with the padding no row needs cut out. The count of the second prefill comes back, but
+    its rows and cache columns do not: row 1 is the second prefill's row 0, its keys shifted. Each step's mask is that
+    step's own: no padding-lost (row 1 seeing key 0, which the prefill's row 1 padded, was read as a lost padding)."""
+    status, found, report = traced(tmp_path, "server_batch_concatenated_then_filtered_left_padded_decode", False, STEPS)
+    assert status == 0, report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert "(4,2,1,8)" in report and "(2,2,1,10)" in report, report  # (the steps after both regroupings were read)
+
+
+def test_a_new_requests_chunk_over_reused_pages_is_placed_by_its_cache_seqlens(tmp_path):
+    """exllamav2's dynamic generator (tests/data/quiet_blind, written blind, batch quiet-r68a) written another way
+    (tests/data/caches): a CPU stand-in of flash_attn_with_kvcache, under inference_mode, its queries at `cache_seqlens
+    + i`. A new request's first chunk of 2 tokens runs over pages that still hold the last request's keys: its queries
+    sit at 0 and 1 (its cache_seqlens is 0), not at the end of the 8 slots, so its causal cells are no mask cut from the
+    top-left corner behind a cache (top-left-mask was said before: the stand-in's `cache_seqlens`, an inference tensor,
+    was not read)."""
+    status, found, report = traced(tmp_path, "paged_kvcache_standin_new_request_chunk_over_reused_pages", False, STEPS)
+    assert status == 0, report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert "(1,2,2,8)" in report.replace("\n", "").replace(" ", ""), report

@@ -11,7 +11,7 @@ import torch
 import pytest
 
 import maskcli
-from checkbugs import check_bug, first
+from checkbugs import check_bug, first, traced
 from maskcli.checks.tokens import _run_at_edge
 
 TOKENS = Path(__file__).parent / "data" / "tokens"
@@ -700,3 +700,15 @@ def test_the_last_left_pads_row_opened_to_every_key_is_no_real_query_seeing_its_
 
     status, found, report = traced(tmp_path, "left_padded_lm_pad_rows_unmasked_quiet", False, TOKENS)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_text_padded_with_its_own_stop_token_is_padding_placed_by_position(tmp_path):
+    """IndexTTS's fix (tests/data/blind, written blind, batch blind-lv) written another way (tests/data/tokens): each
+    row's text is padded on the right with the stop-text id itself, the mask 0 over those fillers and 1 over the real
+    stop token after the text, then the speech codes. The masked tokens are all of one id inside the row, yet a token of
+    that id in the row is kept: no mask built from the ids (which would hide every stop token, OpenRLHF's EOS), but
+    padding placed by each row's length. Said as real-tokens-masked before; quiet now."""
+    status, found, report = traced(tmp_path, "tts_text_padded_with_its_stop_token_then_speech_codes", False, TOKENS)
+    assert status == 0, report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert '1,1,1,0,0,0,1,1,1' in report, report  # (the padded row's mask was read)

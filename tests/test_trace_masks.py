@@ -30,3 +30,28 @@ def test_an_integer_attn_mask_that_sdpa_refuses_is_no_float_bias(tmp_path):
         codes = [f["code"] for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
         assert result.exit_code == 0 and codes == ["call-raised"], result.output
         assert "refused" in result.output and "the float attn_mask also adds" not in result.output
+
+
+def test_an_sdpa_call_handed_a_mask_and_is_causal_is_read_as_both():
+    """torch documents that attn_mask with is_causal=True raises, yet the kernel it runs keeps both: the mask and the
+    top-left causal (nanoVLM's language model hands a left padding mask with is_causal on its prefill; quiet-r68b,
+    written blind, read as the padding alone: causal-lost and sees-its-target on a correct program). The recorded keep
+    is what the kernel ran: the output matches SDPA over the two put together by hand, not the mask alone."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import maskcli
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 2, 5, 8).unbind(0)
+    real = torch.tensor([[True] * 5, [False, False, True, True, True]])  # (row 1 padded on the left)
+    for mask in (real[:, None, None, :], torch.zeros(2, 1, 1, 5).masked_fill(~real[:, None, None, :], -1e9)):
+        with maskcli.trace() as t:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+        both = real[:, None, None, :] & torch.ones(5, 5, dtype=torch.bool).tril()
+        kept = t.calls[0].keep()
+        expected = np.array([[[[bool(real[b, j]) and j <= i for j in range(5)] for i in range(5)]] for b in range(2)])
+        assert (kept == np.broadcast_to(expected, kept.shape)).all()
+        alone = F.scaled_dot_product_attention(q, k, v, attn_mask=both)
+        assert torch.allclose(out[0], alone[0]) and torch.allclose(out[1, :, 2:], alone[1, :, 2:])  # (the real rows)

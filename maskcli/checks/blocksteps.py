@@ -11,7 +11,9 @@ the training mask's block half was `same_block & (j >= i)`, each position seeing
 some own key and the keys some query sees (a padded query or key, hidden from all, is the padding's); left alone where
 the steps disagree among themselves, where the parallel call's own square has a cell across blocks (a causal prefill, a
 chunked one: not blocks) or falls apart inside one (packed segments of other sizes: images of 12, 4 and 8 patches
-beside calls of 12), or where no call of q queries runs at the site.
+beside calls of 12), or where no call of q queries runs at the site. Nor where no key before the call's own is seen by two of its blocks:
+blocks drafted from one sequence share its context, while requests packed in one row share none (transformers'
+continuous batching packs each step's requests, each over its own cached keys, written blind, quiet-r68a).
 """
 
 from __future__ import annotations
@@ -83,6 +85,19 @@ def _split(cells: np.ndarray, q: int) -> bool:
     return bool((~crossed & inside).any())
 
 
+def _shared_context(call, size: int, q: int) -> bool:
+    """Whether some key before the call's own (its context) is seen by queries of two of its blocks in a batch row:
+    blocks drafted from one sequence share its context; requests packed in one row (a continuous-batching step, each
+    over its own cache) share none."""
+    cells = keep(call)
+    offset = call.shape[3] - size
+    if cells is None or offset <= 0:
+        return False
+    context = cells.any(axis=1)[..., :offset]  # (B, Q, context keys)
+    by_block = context.reshape(context.shape[0], size // q, q, offset).any(axis=2)
+    return bool((by_block.sum(axis=1) >= 2).any())
+
+
 def _judged(call, q: int, step: np.ndarray) -> Finding | None:
     """The finding for a parallel call of n blocks of q against the step's square, None where it agrees or is no
     blocks."""
@@ -94,6 +109,8 @@ def _judged(call, q: int, step: np.ndarray) -> Finding | None:
     same = block[:, None] == block[None, :]
     if (own & ~same).any() or _split(own.any(axis=0), q):
         return None  # a query sees another block's own keys (a prefill), or the call's own segments are not blocks of q
+    if not _shared_context(call, size, q):
+        return None  # (no key seen by two blocks: sequences of their own packed in one row, an engine's requests)
     tiled = np.broadcast_to(np.tile(step, (size // q, size // q)) & same, own.shape)
     real = own.any(axis=2)[:, :, None] & own.any(axis=1)[:, None, :]  # queries and keys some cell of the row keeps
     differ = (own != tiled) & real  # (a padded query or key, hidden from all: the padding's, not the block's)

@@ -20,6 +20,8 @@ from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
+IDS = ("input_ids", "idx", "tokens")  # the model call's token ids, (B, T): a step's write positions are T of them
+
 
 def _written(call, top) -> tuple[np.ndarray, str] | None:
     """(the positions this call writes, what says so) for a call over a static cache's slots, else None: no slot past
@@ -34,10 +36,14 @@ def _written(call, top) -> tuple[np.ndarray, str] | None:
     returns its last window in order, all written (583-588, 621-624), never more keys than it holds.
     """
     q_len, k_len = call.shape[2:]
+    ids = next((top.arguments[name] for name in IDS if isinstance(top.arguments.get(name), np.ndarray)), None)
     for name in ("cache_position", "input_pos"):
         found = top.arguments.get(name)
         if isinstance(found, np.ndarray) and found.size:
             found = found.reshape(-1)
+            if ids is not None and ids.ndim == 2 and ids.shape[1] != len(found):
+                return None  # (not one position per token of the step: one per batch row, each row's own count,
+                # JetStream's ring-buffer slots whose RoPE input_pos is no slot the step writes)
             return (found, name) if len(found) == q_len else None
     held, sizes = top.arguments.get("cache_length"), top.arguments.get("cache_slots") or ()
     if isinstance(held, int) and k_len in sizes and q_len <= held:

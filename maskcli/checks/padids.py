@@ -39,6 +39,20 @@ def id_padding(tokens: np.ndarray) -> tuple[np.ndarray, int] | None:
     return None
 
 
+def _ends_on_run(mask: np.ndarray, real: np.ndarray) -> bool:
+    """The mask keeps, past the ids' reading, only the first token of each row's pad run: the pad id is also the
+    terminator each text ends with (an EOS that pads: the DPO reference implementation's tokenizer), kept as a token;
+    the rest of the run it masks (written blind, quiet-r69a)."""
+    extra, edge = mask & ~real, np.zeros_like(real)
+    counts = real.sum(axis=1)
+    right = bool(real[:, 0].all())
+    for b in range(real.shape[0]):  # (right padding: each row's first run position; left: its last)
+        at = counts[b] if right else real.shape[1] - counts[b] - 1
+        if 0 <= at < real.shape[1]:
+            edge[b, at] = True
+    return not (extra & ~edge).any() and not (~mask & real).any()
+
+
 def _handed(top) -> list:
     """The model call's own `input_ids` and 0/1 `attention_mask` as held.py would hold them (a library model's forward,
     transformers', holds them in frames held.py does not read: xtuner#829 handed its collated batch to LlamaForCausalLM)."""
@@ -74,8 +88,9 @@ def pad_ids_unmasked(run: Run) -> list:
         for held in [h for h in helds if h["kind"] == "ids" and h["rows"].shape == (rows, k_len)]:
             reading = id_padding(held["rows"])
             said = [m for m in masks if reading is not None and (m["rows"] & ~reading[0]).any()
-                    and m.get("where") == held.get("where")]  # (ids and mask of one function: a batch of an outer
-            # frame, over as many keys by chance, is another batch: the training batch beside a generate loop's mask)
+                    and m.get("where") == held.get("where") and not _ends_on_run(m["rows"], reading[0])]
+            # (ids and mask of one function: a batch of an outer frame, over as many keys by chance, is another batch:
+            # the training batch beside a generate loop's mask)
             if not said:
                 continue
             cells = keep(call)

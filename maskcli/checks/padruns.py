@@ -63,3 +63,19 @@ def at_bos(ids: np.ndarray | None, top, pad_id: int | None, shape: tuple | None 
     stated = isinstance(bos, int) and not isinstance(bos, bool) and bos != pad_id and ids is not None \
         and (shape is None or ids.shape == shape)  # (`shape`: the mask's the ids must lie over)
     return np.asarray(ids == bos) if stated else np.asarray(False)
+
+
+def inside(hidden: np.ndarray, given: np.ndarray, ids: np.ndarray) -> bool:
+    """A row's masked text of one id lies inside it (a token the mask marks real before it and after it): no padding
+    of any side, and not the stated pad id (OpenRLHF 01b8a23d: `seq != eos & seq != pad` masks every chat turn's EOS).
+    Not where they are one run right after (or before) a kept token of their id: the terminator's own copies as a
+    filler placed by position, not a mask built from the ids (IndexTTS pads each text with its stop token after the
+    real one, kept: blind-lv)."""
+    real = np.flatnonzero(given == 1)
+    if real.size == 0 or not hidden[real[0]:real[-1]].any():
+        return False
+    at = np.flatnonzero(hidden)
+    if at[-1] - at[0] + 1 != at.size:
+        return True  # (masked in several places: each turn's EOS)
+    beside = [k for k in (at[0] - 1, at[-1] + 1) if 0 <= k < len(ids) and given[k] == 1 and ids[k] == ids[at[0]]]
+    return not beside

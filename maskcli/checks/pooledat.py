@@ -46,7 +46,7 @@ def padding_pooled(run: Run) -> list:
                 continue
             r, p = bad[0]
             tokens = np.flatnonzero(real[r])
-            side = "left" if not real[r, 0] else "right" if not real[r, -1] else "inside"
+            side = ("left and right" if not real[r, -1] else "left") if not real[r, 0] else "right" if not real[r, -1] else "inside"
             others = f" (and row{'s' if len(bad) > 2 else ''} {', '.join(str(b[0]) for b in bad[1:])})" if len(bad) > 1 else ""
             head = read.get("head", False)  # (a value or reward head computed over the output, read per row)
             logits = read.get("what") == "logits" or head
@@ -55,7 +55,7 @@ def padding_pooled(run: Run) -> list:
                      else "length - 1, the last position of a row padded on the right, read on a batch padded on the left?"
                      if side == "left" and p == len(tokens) - 1 and p > 0 else
                      "the last column, read as if the row were unpadded (its end looked for by a pad id its batch does "
-                     "not pad with?)" if side == "right" and p == real.shape[1] - 1 else
+                     "not pad with?)" if side in ("right", "left and right") and p == real.shape[1] - 1 else
                      "a fixed offset from the end, landing on padding between the row's segments (a block padded "
                      "inside the row)?" if tokens[0] < p < tokens[-1] else
                      "a first-token (CLS) position taken as if the batch were padded on the right?" if p < tokens[0]

@@ -67,6 +67,9 @@ def _finding(calls: list) -> Finding | None:
         return None
     pieces = [int(call.shape[2]) for call in calls]
     helds = {id(h["rows"]): h for call in calls for h in call.details.get("held_padding") or ()}
+    if any(getattr(h["rows"], "ndim", 0) == 2 and h["rows"].shape[0] == 1 and {h["rows"].shape[1]} == set(pieces)
+           for h in helds.values()):
+        return None  # (the frames hold one sequence of the calls' length: they are its layers, not rows one at a time)
     for held in helds.values():
         if held["kind"] not in ("keep", "pad", "lengths") or getattr(held["rows"], "ndim", 0) < 1:
             continue

@@ -28,14 +28,21 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
 
-def filled_after(run) -> list:
-    """(call, Finding) for each call site whose softmax weights the program filled with -inf after the softmax."""
-    found, done = [], set()
+def once_per_site(run, name: str):
+    """(call, its details[name]) for the first call of each call site (masked, cross or unmasked) that holds it."""
+    done = set()
     for call in [*run.calls, *getattr(run, "cross", ()), *getattr(run, "unmasked", ())]:
-        filled = call.details.get("filled_after")
-        if not filled or call.where in done:
+        said = call.details.get(name)
+        if not said or call.where in done:
             continue
         done.add(call.where)
+        yield call, said
+
+
+def filled_after(run) -> list:
+    """(call, Finding) for each call site whose softmax weights the program filled with -inf after the softmax."""
+    found = []
+    for call, filled in once_per_site(run, "filled_after"):
         rows = filled.get("rows") or []
         value = filled.get("value", "-inf")
         found.append((call, Finding("masked-after-softmax", (
@@ -49,12 +56,8 @@ def filled_after(run) -> list:
 
 def zeroing_lost(run) -> list:
     """(call, Finding) for each call site whose rows the program zeroed after the softmax in a copy it never read."""
-    found, done = [], set()
-    for call in [*run.calls, *getattr(run, "cross", ()), *getattr(run, "unmasked", ())]:
-        lost = call.details.get("zeroed_unused")
-        if not lost or call.where in done:
-            continue
-        done.add(call.where)
+    found = []
+    for call, lost in once_per_site(run, "zeroed_unused"):
         b_len, h_len, q_len = call.shape[0], call.shape[1], call.shape[2]
         rows = sorted({int(i) % q_len for i in lost.get("rows") or ()})
         batch = sorted({int(i) // (h_len * q_len) for i in lost.get("rows") or ()}) if b_len > 1 else [0]
@@ -70,12 +73,8 @@ def zeroing_lost(run) -> list:
 
 def emptied_after(run) -> list:
     """(call, Finding) for each call site whose real query rows a 0/1 product after the softmax left with no key."""
-    found, done = [], set()
-    for call in [*run.calls, *getattr(run, "cross", ()), *getattr(run, "unmasked", ())]:
-        emptied = call.details.get("emptied_after")
-        if not emptied or call.where in done:
-            continue
-        done.add(call.where)
+    found = []
+    for call, emptied in once_per_site(run, "emptied_after"):
         b, h, q = emptied["cell"]
         if _stated_empty(call, b, h, q):
             continue

@@ -110,24 +110,29 @@ def sites(run: Run) -> list:
             later_top, own, positions = run.placed(call)
             if own[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
                 head, shown, done, written = call, prefill_once(run, call, later_top), {call.mask}, set()
+                regrouped = False
                 continue
             if shown is None and head is None and positions:
                 # (no prefill here yet: the layer's prefill may have gone through another module of it, its decode
                 # through a fused kernel call in the parent, H-Net's CausalMHA)
                 adopted = _layer_prefill(run, where, call, own)
                 if adopted is not None:
-                    head, shown, done = adopted, prefill_once(run, adopted, run.top(adopted)), set()
+                    head, shown, done, regrouped = adopted, prefill_once(run, adopted, run.top(adopted)), set(), False
             if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not positions:
                 continue
             written.update(own.tolist())  # (each step's queries write their slots: not the prefill's padding since)
+            # (a step over another number of rows regrouped the batch, TGI's concatenate and filter: from then on a row
+            # and its cache columns are not the prefill's, even where the count comes back)
+            regrouped = regrouped or call.shape[0] not in (1, head.shape[0])
             done.add(call.mask)
             later = keep(call)
             if later is None:
                 continue
             # every layer of one step hands its calls one mask against one prefill: judged once for all of them
-            verdict = (id(shown), call.mask, call.shape, id(later_top), own.tobytes(), len(written), max(written))
+            verdict = (id(shown), call.mask, call.shape, id(later_top), own.tobytes(), len(written), max(written), regrouped)
             if verdict not in judged:
-                judged[verdict] = _judge(call, later_top, later, own, *shown, written)
+                padded, window = shown
+                judged[verdict] = _judge(call, later_top, later, own, None if regrouped else padded, window, written)
             said = judged[verdict]
             if said is None:
                 continue
@@ -237,7 +242,7 @@ def alignment(run: Run) -> list:
         if call.step == 0 or q_len >= k_len or call.mask in done or call.stored is None or id(call) in first:
             continue
         top, own, positions = run.placed(call)
-        if own[0] == 0 or not positions or stated_first(run).get(call.index) == 0:
+        if own[0] == 0 or not positions or stated_first(run).get(call.index) == 0 or _at_start(call):
             continue  # (an engine's metadata placing the queries at the start: the later keys are unwritten slots)
         done.add(call.mask)
         cells = keep(call)
@@ -251,6 +256,15 @@ def alignment(run: Run) -> list:
                 f"mask[Lk - Lq:Lk, :Lk])"), expected=f"causal with the queries at {int(own[0])}..{int(own[-1])}",
                 source=f"{call.where}: {k_len - q_len} earlier keys", cell=(0, int(own[0]), 1))))
     return found
+
+
+def _at_start(call) -> bool:
+    """flash_attn_with_kvcache's `cache_seqlens` (trace/positionsat.py), where the kernel writes the step's keys, puts
+    every row's first query at 0: no key cached before them (not a position the program numbers its tokens by, which
+    may be the bug itself: chunk positions restarting at 0)."""
+    stated = call.details.get("query_positions")
+    rows = stated.get("rows") if isinstance(stated, dict) and stated.get("name") == "cache_seqlens" else None
+    return rows is not None and rows.size > 0 and not rows[:, 0].any()
 
 
 def _first_steps(run: Run) -> set:

@@ -51,7 +51,7 @@ import numpy as np
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, real_queries
 from maskcli.checks.othermask import borrowed
-from maskcli.checks.padruns import at_bos, disagreeing
+from maskcli.checks.padruns import at_bos, disagreeing, inside as _inside
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -162,17 +162,10 @@ def tokens(run: Run) -> list:
         if len(found) == before:  # (rows that disagree on the pad run ending them: padruns.py)
             found += disagreeing(top, _calls(run, top, rows, length, unmasked=True), at_pad, given, pad_id, said)
         hidden = (given == 0) & ~at_pad & ~at_bos(ids, top, pad_id)  # (a later packed example's BOS: padruns.py)
-        if not _filler(at_pad, given, side) and any(len(np.unique(ids[b][hidden[b]])) >= 2 or _inside(hidden[b], given[b])
-                                                    for b in range(rows)):
+        if not _filler(at_pad, given, side) and any(len(np.unique(ids[b][hidden[b]])) >= 2
+                                                    or _inside(hidden[b], given[b], ids[b]) for b in range(rows)):
             found += _masked(run, top, hidden, given, pad_id, said)
     return found + _held_unmarked(run, seen)
-
-
-def _inside(hidden: np.ndarray, given: np.ndarray) -> bool:
-    """A row's masked text of one id lies inside it (a token the mask marks real before it and after it): no padding
-    of any side, and not the stated pad id (OpenRLHF 01b8a23d: `seq != eos & seq != pad` masks every chat turn's EOS)."""
-    real = np.flatnonzero(given == 1)
-    return real.size > 0 and bool(hidden[real[0]:real[-1]].any())
 
 
 def _held_unmarked(run: Run, seen: set) -> list:

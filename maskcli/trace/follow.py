@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+import maskcli.trace.evaldrop as evaldrop
 import maskcli.trace.headquery as headquery
 import maskcli.trace.keyrows as keyrows
 import maskcli.trace.masks as readers
@@ -165,6 +166,8 @@ class Follow:
                     raise
                 finally:
                     self.within -= 1
+                if made < len(self._calls) and self._calls[made].details.get("dropout_p"):
+                    evaldrop.sdpa(self._calls[made])  # (dropout_p > 0 in eval mode: trace/evaldrop.py)
                 self.after_call(func, args, kwargs, out, softmaxed)
                 return out
         out = call(*args, **kwargs)

@@ -144,3 +144,15 @@ def query_offset(q: torch.Tensor, k: torch.Tensor) -> int | None:
     if step <= 0 or offset % step or not 0 <= offset // step <= k.shape[0] - q.shape[0]:
         return None
     return offset // step
+
+
+def tril(q_len: int, k_len: int, like: torch.Tensor) -> torch.Tensor:
+    """SDPA's is_causal as a bool (Lq, Lk) keep on `like`'s device: query row i sees keys 0..i (top-left)."""
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=like.device).tril()
+
+
+def frozen(intervals):
+    """Intervals shared by every call of one shape: read-only, so that no caller changes another's."""
+    intervals.starts.setflags(write=False)
+    intervals.ends.setflags(write=False)
+    return intervals

@@ -21,6 +21,7 @@ from maskcli import tracefile
 from maskcli.inspect.polarity import additive_keep
 from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_rows as _empty_rows, infinite as _infinite, \
     nan_scores as _nan_scores, note_zero_one, poison, query_offset, row_constant
+from maskcli.trace.maskfacts import frozen as _frozen, tril as _tril
 from maskcli.text import step_label
 from maskcli.trace.given import gathered_keys, stored  # noqa: F401 - stored: with the mask its frames handed (capture.py)
 from maskcli.trace.tables import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
@@ -130,13 +131,6 @@ def everything(q_len: int, k_len: int) -> Intervals:
     return _frozen(Intervals.of(np.zeros((1, 1, 1), np.int64), np.full((1, 1, 1), k_len, np.int64), 0, k_len))
 
 
-def _frozen(intervals: Intervals) -> Intervals:
-    """Intervals shared by every call of one shape: read-only, so that no caller changes another's."""
-    intervals.starts.setflags(write=False)
-    intervals.ends.setflags(write=False)
-    return intervals
-
-
 def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
     """Keep form of an SDPA-style mask: bool True = attend; a float mask adds, so -inf (or at most -1e4) masks.
     A float mask that also adds other values (ALiBi, relative positions) is noted in `details` as a bias (an integer
@@ -200,10 +194,12 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
         details["mask_dtype"] = _dtype(mask)
         if mask.is_floating_point():  # (a finite fill the scores outgrow: checks/fillleak.py)
             details.update(fill_leak(q, k, mask, details["scale"], details["enable_gqa"]))
-        if q_len > 1 and (len(mask_shape) < 2 or mask_shape[-2] == 1):  # one row for every query: no query's own position
+        if q_len > 1 and not is_causal and (len(mask_shape) < 2 or mask_shape[-2] == 1):  # one row for every query: no query's own position
             details["mask_rows"] = 1
         seen.make = lambda: _as_4d(_keep(mask, details), q_len, k_len)  # (not where this mask was read already)
         seen.sources = (mask,)
+        if is_causal:  # (documented to raise, yet torch keeps both, the mask and the top-left causal: nanoVLM's prefill)
+            seen.make, seen.sources = lambda: _as_4d(_keep(mask, details), q_len, k_len) & _tril(q_len, k_len, mask), ()
     elif is_causal:
         seen.intervals = top_left_causal(q_len, k_len)
     else:

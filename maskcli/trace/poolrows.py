@@ -39,7 +39,8 @@ from maskcli.trace.unseen import unseen
 MOST = 4096  # rows x positions of the mask kept at most
 HEADS = frozenset({"linear", "squeeze", "float", "to"})  # position by position: a head over a followed output
 NORMS = frozenset({"layer_norm", "rms_norm"})  # position by position, the output's own shape: the output still
-SCALED = frozenset({"mul", "__mul__", "__rmul__"})  # the output times a factor of its own shape or broadcast to it
+SCALED = frozenset({"mul", "__mul__", "__rmul__", "add", "__add__", "__radd__"})  # the output times a factor (or plus
+# a bias: a reward head's `gain * r + bias`) of its own shape or broadcast to it
 CELL = "[row, position]"  # how a one-cell read is said
 
 
@@ -66,14 +67,12 @@ class PoolRows:
                     return False
                 source, said = getattr(mask, "stated_by", None), getattr(mask, "said", None)
                 mask = mask.detach().cpu().numpy() != 0
-            record = {"mask": mask, "reads": [], "what": what, "module": type(module).__name__ if end is None else None,
-                      "source": source, "said": said}
-            if end is None:
-                self.inner.setdefault(first, []).append(record)
-            else:
-                self.records[(first, end)] = record
-            key = id(hidden)
-            self._found[key] = (weakref.ref(hidden, lambda _, key=key, found=self._found: found.pop(key, None)), record)
+            for hidden, what in ((hidden, what), *_last_state(output, hidden)):
+                record = {"mask": mask, "reads": [], "what": what, "source": source, "said": said,
+                          "module": type(module).__name__ if end is None else None}
+                (self.inner.setdefault(first, []) if end is None else self.records.setdefault((first, end), [])).append(record)
+                key = id(hidden)
+                self._found[key] = (weakref.ref(hidden, lambda _, key=key, found=self._found: found.pop(key, None)), record)
             return True
         except (Exception, SystemExit):  # noqa: BLE001 - the program's output stays its own
             return False
@@ -171,7 +170,7 @@ class PoolRows:
             return
         for top in tops:
             records = [*self.inner.get(getattr(top, "first", None), ()),
-                       self.records.get((getattr(top, "first", None), getattr(top, "end", None)))]
+                       *self.records.get((getattr(top, "first", None), getattr(top, "end", None)), ())]
             pooled = [{**read, "mask": record["mask"], "what": record["what"], "module": record["module"],
                        "source": record.get("source"), "said": record.get("said")}
                       for record in records if record is not None for read in record["reads"]]
@@ -325,6 +324,17 @@ def _hidden(output, kwargs: dict):
     if type(hidden) is not torch.Tensor or hidden.dim() != 3 or not hidden.is_floating_point() or hidden.device.type == "meta":
         return None, ""
     return hidden, what
+
+
+def _last_state(output, hidden) -> tuple:
+    """((the last of the output's `hidden_states`, its name),) where the call was asked for them and its followed
+    output is another tensor (a causal LM's logits: an RLHF reward head reads `output.hidden_states[-1]`), else ()."""
+    states = output.get("hidden_states") if isinstance(output, dict) else getattr(output, "hidden_states", None)
+    last = states[-1] if isinstance(states, (tuple, list)) and states else None
+    if type(last) is not torch.Tensor or last is hidden or last.shape[:2] != hidden.shape[:2] or last.dim() != 3 \
+            or not last.is_floating_point():
+        return ()
+    return ((last, "hidden_states[-1]"),)
 
 
 def _ints(index, rows: int) -> np.ndarray | None:

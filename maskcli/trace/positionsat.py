@@ -20,6 +20,7 @@ import os
 import re
 import weakref
 
+import numpy as np
 import torch
 
 import maskcli.trace.held as held_module
@@ -43,6 +44,8 @@ def _rows(held: torch.Tensor, batch: int, q_len: int):
     if held.dim() != 2 or held.shape[-1] != q_len or held.shape[0] not in (1, batch):
         return None
     try:
+        if held.is_inference():  # (made under inference_mode: no version counter to key a copy by, read each time)
+            return held.detach().to("cpu", torch.int64).numpy().copy()
         version = held._version
         got = _READ.get(id(held))
         if got is not None and got[0]() is held and got[1] == version:
@@ -54,6 +57,18 @@ def _rows(held: torch.Tensor, batch: int, q_len: int):
         return found
     except (TypeError, RuntimeError):
         return None
+
+
+def _appended(variables: dict, batch: int, q_len: int):
+    """int64 numpy (rows, Lq): the queries' positions flash_attn_with_kvcache's API states, each row's new keys `k`
+    (B, new, H, D) appended after its `cache_seqlens` cached ones and the queries the last of them (none appended:
+    the last `Lq` of the cached); None where its lengths are not one per row."""
+    lengths = _rows(variables["cache_seqlens"], batch, batch)
+    new = variables.get("k")
+    new = int(new.shape[1]) if type(new) is torch.Tensor and new.dim() == 4 else 0
+    if lengths is None or lengths.shape[0] != 1:
+        return None
+    return lengths.reshape(-1, 1) + new - q_len + np.arange(q_len)[None, :]
 
 
 def _embeds_positions(module) -> bool:
@@ -149,6 +164,13 @@ def note(details: dict, walked, shape: tuple) -> None:
     batch, q_len = int(shape[0]), int(shape[2])
     for frame, embedded in _frames(walked):
         variables = frame.f_locals
+        if "k_cache" in variables and type(variables.get("cache_seqlens")) is torch.Tensor:
+            rows = _appended(variables, batch, q_len)  # (flash_attn_with_kvcache's arguments, or a stand-in's)
+            if rows is not None:
+                code = frame.f_code
+                details["query_positions"] = {"rows": rows, "name": "cache_seqlens", "embedded": False,
+                                             "unhanded": False, "function": getattr(code, "co_qualname", code.co_name)}
+                return
         for name in NAMES:
             held = variables.get(name)
             if type(held) is not torch.Tensor:

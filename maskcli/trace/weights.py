@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from maskcli.trace.after import PRODUCTS
+from maskcli.trace.evaldrop import DROPOUTS, dropped
 from maskcli.trace.followed import follow, operands_of
 from maskcli.trace.scores import ADDS
 
@@ -72,6 +73,8 @@ class Weights:
         if not self._found or not isinstance(out, torch.Tensor):
             return
         try:
+            if func in DROPOUTS and args and (entry := self.entry(args[0])) is not None:
+                dropped(func, args, kwargs, entry[1])  # (weights dropped in eval mode: trace/evaldrop.py)
             if func in PRODUCTS:
                 self._product(func, args)
             elif func in CATS and args and isinstance(args[0], (list, tuple)):
