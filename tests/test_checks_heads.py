@@ -256,3 +256,12 @@ def test_physiopro_contiformer_nan_mask_laid_on_the_heads_is_flagged_and_its_fix
     # mask (B, T) of the unpacked series handed to attention as (1, B, 1, T): with batch == heads, series b's gaps mask
     # head b of every series, at the old timesteps, and the packed rows' padding is never masked
     check_bug(tmp_path, "physiopro_contiformer_merged_series_nan_mask_on_wrong_axis", "padding-per-head")
+
+
+def test_rectools_sasrec_padding_mask_tiled_head_first_over_the_causal_one(tmp_path):
+    """MTSWebServices/RecTools#197 (written blind, batch blind-lz; caught before any rule was changed for it): SASRec's
+    `encode_sessions` overwrote its causal mask with the left padding tiled `.repeat(n_heads, L, 1)`, head-first where
+    nn.MultiheadAttention reads the (B * heads) masks batch-first: one user's heads got another user's padding. The fix
+    keeps the two masks apart and merges them batch-first."""
+    found = check_bug(tmp_path, "rectools_sasrec_causal_mask_replaced_by_padding_mask", "padding-per-head")
+    assert "head 1 hides keys 0-3 from every query" in " ".join(found[0]["message"].split())

@@ -165,3 +165,22 @@ def test_lightrag_hf_embed_mean_pooled_over_its_padding(tmp_path):
     `last_hidden_state.mean(dim=1)` of a right-padded BERT batch; the fix averages over the attention mask."""
     [hit] = check_bug(tmp_path, "lightrag_hf_embed_mean_over_padded_batch", "mean-over-padding")[:1]
     assert "averages all 27 positions, the padding at positions 10," in " ".join(hit["message"].split())
+
+
+def test_presto_eval_embedding_averages_the_padded_slots_of_dropped_tokens(tmp_path):
+    """WorldCereal/presto-worldcereal 5ea0fc2 (written blind, batch blind-lr; caught once a padded tail the model's own
+    attention hides from every query counts as the padding it states): the encoder dropped each pixel's masked tokens,
+    padded the rest to the longest and masked that padding in attention, then returned `x.mean(dim=1)` over every slot.
+    The fix averages over the kept tokens."""
+    [hit] = check_bug(tmp_path, "presto_worldcereal_encoder_mean_pools_padded_masked_token_slots", "mean-over-padding")[:1]
+    assert "which the model's attention hides from every query" in " ".join(hit["message"].split())
+
+
+def test_an_mae_encoder_mean_pools_the_padding_it_made_itself(tmp_path):
+    """Written another way (tests/data/maskmean): an MAE-style encoder keeps each sample's visible patches, pads them to
+    the longest inside its forward (`key_padding_mask` to nn.MultiheadAttention), and returns `x.mean(dim=1)`: the
+    model call states no padding; its attention hides the padded tail (3 of 10 slots real in row 1) from every query,
+    the unclouded row whole. The fix averages over the kept slots."""
+    [hit] = check_bug(tmp_path, "mae_encoder_kept_tokens_padded_mean_pooled_whole", "mean-over-padding", MASKMEAN)[:1]
+    row, pad, _ = hit["cell"]
+    assert row == 1 and "the padding at positions 3, 4, 5, 6, 7, 8, 9" in " ".join(hit["message"].split())

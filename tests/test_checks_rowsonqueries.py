@@ -79,3 +79,22 @@ def test_a_causal_mask_over_lengths_one_to_b_and_equal_rows_are_quiet():
         (x @ x.transpose(-1, -2)).masked_fill(attention_mask == 0, float("-inf")).softmax(-1)
 
     assert [c for c in _codes(causal) + _codes(equal) if c[0] == "batch-rows-on-queries"] == []
+
+
+def test_memformer_memory_update_mask_combined_with_the_batch_padding_in_place(tmp_path):
+    """lucidrains/memformer ab3530e (written blind, batch blind-lt; caught once the padding could be combined with a mask
+    of the program's own and read behind the memory slots): the memory update's (slots, slots + n) mask `&=`-ed with the
+    (batch, slots + n) source padding, batch == slots, so memory slot i of every sample took sample i's padding."""
+    found = check_bug(tmp_path, "memformer_memory_update_mask_rows_from_batch_samples", "batch-rows-on-queries")
+    assert "batch row 1: query 0 sees key 9, which lengths in main()" in " ".join(found[0]["message"].split())
+
+
+def test_slot_update_mask_and_padding_combined_in_place(tmp_path):
+    """The same slip written another way (tests/data/rowsonqueries): each of 4 slots sees itself and the input tokens,
+    the samples' key padding (4 samples, lengths 6, 3, 5, 2 behind the 4 slots) combined in place into that (slots,
+    slots + n) mask. The fix lays the padding on each sample's keys."""
+    found = check_bug(tmp_path, "latent_slots_update_mask_and_padding_combined_in_place", "batch-rows-on-queries",
+                      ROWSONQUERIES)
+    b, q, k = found[0]["cell"]
+    lengths = [6, 3, 5, 2]
+    assert k >= 4 + lengths[b] and q != b  # (a key batch row b pads, seen by a query masked with another row's padding)

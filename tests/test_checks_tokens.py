@@ -712,3 +712,11 @@ def test_a_text_padded_with_its_own_stop_token_is_padding_placed_by_position(tmp
     assert status == 0, report
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert '1,1,1,0,0,0,1,1,1' in report, report  # (the padded row's mask was read)
+
+
+def test_rlinf_agent_loop_tool_output_zeroed_in_the_actors_attention_mask(tmp_path):
+    """RLinf/RLinf 779c3188b (written blind, batch blind-ly; caught before any rule was changed for it): the tool agent's
+    batch used the loss's `response_mask` (0 on tool-output tokens) as the response half of the attention mask, so the
+    training model re-scored each later turn without seeing the tool output before it. The fix masks only padding."""
+    found = check_bug(tmp_path, "rlinf_agent_loop_tool_response_zeroed_in_actor_attention_mask", "real-tokens-masked")
+    assert "38 tokens it masks are text, of 14 different ids" in " ".join(found[0]["message"].split())

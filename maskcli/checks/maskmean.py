@@ -57,8 +57,11 @@ def _counted(run: Run, call, mean: dict):
     said = resolve(call, run.top(call), seen)  # (the model call's statement; else the keys no query of the row sees)
     real = said.keys if said.source is not None else seen.any(axis=1)
     both = real.any(axis=1) & ~real.all(axis=1)
-    if not zeroed.any():  # (nothing zeroed: the pads' own values averaged in, where the model call states them)
-        return _over_padding(mean, real, both) if said.source is not None else None
+    if not zeroed.any():  # (nothing zeroed: the pads' own values averaged in, where the model call states them, or
+        # its attention hides a padded tail of each row from every query, the longest row whole)
+        if said.source is not None:
+            return _over_padding(mean, real, both)
+        return _over_padding(mean, real, both, "model's attention hides from every query") if _tails(real) else None
     exact = both & (zeroed == ~real).all(axis=1)
     if not exact.any():
         return None
@@ -73,7 +76,18 @@ def _counted(run: Run, call, mean: dict):
         source="the positions zeroed before the mean: the attention call's padding", cell=(row, int(pads[0]), int(pads[0])))
 
 
-def _over_padding(mean: dict, real: np.ndarray, both: np.ndarray):
+def _tails(real: np.ndarray) -> bool:
+    """Each row's keys no query sees are one run at its end, the runs differ and some row has none: a batch padded on
+    the right to its longest row (Presto's encoder, its masked tokens dropped and the rest padded, blind-lr)."""
+    if real.shape[0] < 2:
+        return False
+    counts = real.sum(axis=1)
+    tails = (np.arange(real.shape[1])[None, :] < counts[:, None]) == real
+    return bool(tails.all() and (counts == real.shape[1]).any() and (counts < real.shape[1]).any() and counts.min() > 0)
+
+
+def _over_padding(mean: dict, real: np.ndarray, both: np.ndarray, said: str = "model call states and the attention "
+                  "call before it masks"):
     if not both.any():
         return None
     row = int(np.flatnonzero(both)[0])
@@ -82,10 +96,11 @@ def _over_padding(mean: dict, real: np.ndarray, both: np.ndarray):
     return Finding("mean-over-padding", (
         f"batch row {row}: a mean over axis 1 of a {tuple(mean['shape'])} tensor averages all {length} positions, the "
         f"padding at position{'s' if len(pads) > 1 else ''} {shown} among them ({len(pads)} of {length}), which the "
-        f"model call states and the attention call before it masks: the pooled vector takes the pads' values and "
+        f"{said}: the pooled vector takes the pads' values and "
         f"changes with the batch's padded length (sum over the real positions, divide by their count)"),
         expected=f"row {row}'s mean over its {length - len(pads)} real positions",
-        source="the model call's stated padding", cell=(row, int(pads[0]), int(pads[0])))
+        source="the model call's stated padding" if said.startswith("model call") else "the padding its attention hides",
+        cell=(row, int(pads[0]), int(pads[0])))
 
 
 RULES = (

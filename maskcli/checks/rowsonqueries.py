@@ -11,7 +11,9 @@ ran with is one plane for every batch row whose query row i is the padding's bat
 own meets another row's padding on its queries, which the padding's own rows contradict. Said at the first cell where
 query q of batch row b sees a key row b calls padding (or, else, hides a key row b calls real).
 
-Left alone: a mask that differs between batch rows (the padding reached its rows: other rules read it), a padding
+The padding may also be combined with a mask of the program's own (`mask &= padding`): query row i keeps no key batch
+row i calls padding, and some other query row sees such a key (Memformer ab3530e, its memory-update mask). Left alone:
+a mask that differs between batch rows (the padding reached its rows: other rules read it), a padding
 whose rows are all equal (any row is right), B != Lq, and a mask no query of which sees a later key (a causal triangle
 over right-padded rows of lengths 1 .. B is that padding's table too: the causal mask is read first).
 """
@@ -54,8 +56,8 @@ def _finding(call, helds: list, rows: int, length: int) -> Finding | None:
         return None  # (no query sees a later key: a causal mask, read as one)
     ids = tuple(h["rows"] for h in helds if h["kind"] == "ids")
     for held in helds:
-        for real in readings(held, rows, length, ids):
-            if (real == real[:1]).all() or not np.array_equal(plane, real):
+        for real in [*readings(held, rows, length, ids), *_behind_prefix(held, rows, length)]:
+            if (real == real[:1]).all() or not _laid_on_queries(plane, real):
                 continue
             cells = np.broadcast_to(plane, (rows, rows, length))  # (b, q, k): every batch row sees the plane
             bad = cells & ~real[:, None, :]
@@ -74,6 +76,30 @@ def _finding(call, helds: list, rows: int, length: int) -> Finding | None:
                 f"batch row's padding — lay it on the keys: mask[:, None, None, :]"),
                 expected=f"each batch row's keys masked by its own row of {held['name']}", source=said, cell=(b, q, k))
     return None
+
+
+def _behind_prefix(held: dict, rows: int, length: int) -> list:
+    """Lengths of fewer tokens than the call's keys read over its last keys, the keys before them all real: a memory
+    or a cache of slots put before the tokens the lengths count (Memformer's memory slots before the source)."""
+    found = held["rows"]
+    if held["kind"] != "lengths" or found.size == 0 or not 1 <= found.min() < found.max() < length:
+        return []
+    prefix = length - int(found.max())
+    return [np.concatenate([np.ones((rows, prefix), bool), real], axis=1)
+            for real in readings(held, rows, int(found.max()))]
+
+
+def _laid_on_queries(plane: np.ndarray, real: np.ndarray) -> bool:
+    """Query row i of the one plane is the padding's batch row i: equal, or (a mask of its own combined with it, the
+    padding `&=`-ed in) no query row i sees a key batch row i calls padding, while some other query row sees such a
+    key, so that the padding, not the mask's own pattern, hides it in row i (Memformer ab3530e: its (slots, slots + n)
+    memory-update mask combined with the (batch, slots + n) source padding, batch == slots)."""
+    if np.array_equal(plane, real):
+        return True
+    if (plane & ~real).any():
+        return False
+    seen_elsewhere = plane.sum(axis=0)[None, :] - plane > 0  # (i, k): some query row other than i sees key k
+    return bool((~real & seen_elsewhere).any())
 
 
 RULES = (
