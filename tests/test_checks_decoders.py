@@ -119,3 +119,11 @@ def test_chunk_causal_reads_chunks_that_see_themselves_whole():
     assert chunk_causal(later(lambda q, k: k // 4 <= q // 4), own)
     assert not chunk_causal(later(lambda q, k: k <= q + 1), own)
     assert not chunk_causal(later(lambda q, k: k >= q), own)
+
+
+def test_bert_summarizer_decoder_without_its_tgt_mask(tmp_path):
+    """k-tahiro/bert-summarizer#36 (written blind, batch blind-ma; caught before any rule was changed for it): BertSumAbs
+    handed its nn.TransformerDecoder the summary's and the source's padding masks but no causal `tgt_mask`, so each
+    summary token saw the later ones; its config says `is_decoder=True`. The fix passes the upper-triangular mask."""
+    found = check_bug(tmp_path, "bert_summarizer_bertsumabs_decoder_no_tgt_mask", "decoder-sees-later")
+    assert "query 0 sees the later key 1" in " ".join(found[0]["message"].split())

@@ -594,3 +594,14 @@ def test_text_part_is_the_one_text_config_or_the_config_itself_where_several_are
     assert text_part(gemma) is gemma.text_config
     plain = {"sliding_window": 4}
     assert text_part(plain) is plain
+
+
+def test_a_decoder_layers_self_attention_bias_is_not_dropped_by_its_cross_attention(tmp_path):
+    """THUMT's beam search (tests/data/quiet_blind, written blind, batch quiet-r71a) written another way
+    (tests/data/dropped): a decoder layer `forward(x, attn_bias, encdec_bias, memory)` hands the causal bias to its
+    self-attention and `encdec_bias` (tensor2tensor's name for the source's bias) to its attention over the memory. The
+    source is as long as the target and unpadded, so the cross-attention masks nothing while the (T, T) causal bias
+    beside it fits its shape: that bias is the self-attention's (mask-argument-dropped said it was dropped before)."""
+    status, found, report = traced(tmp_path, "thumt_style_decoder_layer_self_bias_beside_encdec_bias", False, DROPPED)
+    assert status == 0, report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

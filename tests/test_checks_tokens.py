@@ -720,3 +720,15 @@ def test_rlinf_agent_loop_tool_output_zeroed_in_the_actors_attention_mask(tmp_pa
     training model re-scored each later turn without seeing the tool output before it. The fix masks only padding."""
     found = check_bug(tmp_path, "rlinf_agent_loop_tool_response_zeroed_in_actor_attention_mask", "real-tokens-masked")
     assert "38 tokens it masks are text, of 14 different ids" in " ".join(found[0]["message"].split())
+
+
+def test_a_text_whose_own_stop_token_is_masked_and_a_filler_copy_kept(tmp_path):
+    """IndexTTS d80d49e's slip written another way (tests/data/tokens, --ones-at-ends): the mask's ones put at the padded
+    text's ends (`F.pad(text_masks, (1, 1), value=1)`), so the row's own stop token right after its text is masked and
+    the last filler copy of it kept. The masked run follows the text, a kept copy after it: the terminator is hidden
+    (real-tokens-masked, its guess the ones padded onto the ends); the run after a kept stop token is the fix (quiet)."""
+    status, found, report = traced(tmp_path, "tts_text_padded_with_its_stop_token_then_speech_codes", False, TOKENS,
+                                   ("--ones-at-ends",))
+    said = [f for f in found if f["code"] == "real-tokens-masked"]
+    assert status == 1 and said and tuple(said[0]["cell"]) == (1, 2, 2), report
+    assert "the mask's ones padded onto the row's ends" in " ".join(said[0]["message"].split())

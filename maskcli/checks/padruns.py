@@ -68,14 +68,21 @@ def at_bos(ids: np.ndarray | None, top, pad_id: int | None, shape: tuple | None 
 def inside(hidden: np.ndarray, given: np.ndarray, ids: np.ndarray) -> bool:
     """A row's masked text of one id lies inside it (a token the mask marks real before it and after it): no padding
     of any side, and not the stated pad id (OpenRLHF 01b8a23d: `seq != eos & seq != pad` masks every chat turn's EOS).
-    Not where they are one run right after (or before) a kept token of their id: the terminator's own copies as a
-    filler placed by position, not a mask built from the ids (IndexTTS pads each text with its stop token after the
-    real one, kept: blind-lv)."""
+    Not where they are one run right after a kept token of their id: the terminator's own copies as a filler placed by
+    position, not a mask built from the ids (IndexTTS's fix pads each text with its stop token after the real one,
+    kept: blind-lv). A run right before a kept copy is still said: its first masked token is the text's own terminator,
+    a filler after it kept (`filler_kept`: IndexTTS's bug, the mask's ones padded onto the row's ends)."""
     real = np.flatnonzero(given == 1)
     if real.size == 0 or not hidden[real[0]:real[-1]].any():
         return False
     at = np.flatnonzero(hidden)
     if at[-1] - at[0] + 1 != at.size:
         return True  # (masked in several places: each turn's EOS)
-    beside = [k for k in (at[0] - 1, at[-1] + 1) if 0 <= k < len(ids) and given[k] == 1 and ids[k] == ids[at[0]]]
-    return not beside
+    return not (at[0] > 0 and given[at[0] - 1] == 1 and ids[at[0] - 1] == ids[at[0]])
+
+
+def filler_kept(hidden: np.ndarray, given: np.ndarray, ids: np.ndarray) -> bool:
+    """A row's masked run of one id inside it, right before a kept token of that id (see `inside`)."""
+    at = np.flatnonzero(hidden)
+    return at.size > 0 and at[-1] - at[0] + 1 == at.size and at[-1] + 1 < len(ids) and given[at[-1] + 1] == 1 \
+        and ids[at[-1] + 1] == ids[at[0]] and (at[0] == 0 or ids[at[0] - 1] != ids[at[0]])

@@ -11,8 +11,8 @@ ran with is one plane for every batch row whose query row i is the padding's bat
 own meets another row's padding on its queries, which the padding's own rows contradict. Said at the first cell where
 query q of batch row b sees a key row b calls padding (or, else, hides a key row b calls real).
 
-The padding may also be combined with a mask of the program's own (`mask &= padding`): query row i keeps no key batch
-row i calls padding, and some other query row sees such a key (Memformer ab3530e, its memory-update mask). Left alone:
+The padding may also be combined with a mask of the program's own (`mask &= padding`): the plane's query row i equals
+the padding's row i on every key column where the padding's rows differ (Memformer ab3530e, its memory-update mask). Left alone:
 a mask that differs between batch rows (the padding reached its rows: other rules read it), a padding
 whose rows are all equal (any row is right), B != Lq, and a mask no query of which sees a later key (a causal triangle
 over right-padded rows of lengths 1 .. B is that padding's table too: the causal mask is read first).
@@ -91,15 +91,13 @@ def _behind_prefix(held: dict, rows: int, length: int) -> list:
 
 def _laid_on_queries(plane: np.ndarray, real: np.ndarray) -> bool:
     """Query row i of the one plane is the padding's batch row i: equal, or (a mask of its own combined with it, the
-    padding `&=`-ed in) no query row i sees a key batch row i calls padding, while some other query row sees such a
-    key, so that the padding, not the mask's own pattern, hides it in row i (Memformer ab3530e: its (slots, slots + n)
-    memory-update mask combined with the (batch, slots + n) source padding, batch == slots)."""
+    padding `&=`-ed in) equal on every key column where the padding's rows differ, the rest the mask's own pattern
+    (Memformer ab3530e: its (slots, slots + n) memory-update mask, each slot seeing itself and every source token,
+    combined with the (batch, slots + n) source padding, batch == slots)."""
     if np.array_equal(plane, real):
         return True
-    if (plane & ~real).any():
-        return False
-    seen_elsewhere = plane.sum(axis=0)[None, :] - plane > 0  # (i, k): some query row other than i sees key k
-    return bool((~real & seen_elsewhere).any())
+    differ = ~(real == real[:1]).all(axis=0)
+    return bool(differ.any()) and bool((plane[:, differ] == real[:, differ]).all())
 
 
 RULES = (

@@ -51,7 +51,7 @@ import numpy as np
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, real_queries
 from maskcli.checks.othermask import borrowed
-from maskcli.checks.padruns import at_bos, disagreeing, inside as _inside
+from maskcli.checks.padruns import at_bos, disagreeing, filler_kept, inside as _inside
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -243,6 +243,9 @@ def _masked(run: Run, top, hidden, given, pad_id: int, said: str) -> list:
                 f"batch row {b}: query {int(own[q])} does not see key {k}, which the attention_mask of {top.where} "
                 f"marks padding, but its id is not {said} ({pad_id}): {count} tokens it masks are text, "
                 + (f"of {len(ids)} different ids (a mask built from the wrong part of the batch?)" if len(ids) > 1 else
+                   f"all of id {int(ids[0])}, inside the row, its first right after the text and a copy after them kept "
+                   f"(the text's own terminator masked and a filler seen: the mask's ones padded onto the row's ends "
+                   f"instead of around its text?)" if filler_kept(hidden[b], given[b], ids_of(top)[b]) else
                    f"all of id {int(ids[0])}, inside the row (a mask built from the ids at that id: an EOS that ends "
                    f"each turn?)")), expected="every real token seen as its mask allows",
                 source=said, cell=(b, int(own[q]), k)))]

@@ -38,7 +38,8 @@ CROSS_INPUT = re.compile(r"^cross_(?!.*(?:mask|bias|pos|len|idx|index|type))[a-z
 # the memory it attends (TensorRT-Model-Connect's BART decoder layer: `cross_k`, `cross_v`, the encoder's output rows)
 METHOD_ONLY = ("kv",)  # a module method's `kv` (x-transformers' `forward(x, kv=None)`): a kernel's packed kv is not one
 CONTEXT_MASKS = ("context_mask", "encoder_attention_mask", "encoder_mask", "memory_mask", "memory_key_padding_mask",
-                 "encoder_padding_mask", "cross_attn_mask", "enc_mask")  # the mask of that other sequence's keys
+                 "encoder_padding_mask", "cross_attn_mask", "enc_mask", "encdec_bias", "encoder_decoder_attention_bias",
+                 "enc_dec_bias")  # the mask of that other sequence's keys (tensor2tensor's and THUMT's biases among them)
 CROSS_FIELDS = ("attention_type", "attn_type", "is_cross_attention")
 CROSS_CLASS = re.compile(r"cross_?att(?:n|ention)\d*$|(?:^|_)x_?att(?:n|ention)\d*$", re.IGNORECASE)
 INNERMOST = 4  # running modules read, innermost first (a whole model's attributes speak for no one call)
