@@ -387,7 +387,11 @@ _NO_CALL = {"slot_attention_softmax_over_slots_no_mask", "allennlp_bidaf_masked_
             "quiet_point_transformer_padded_point_sets_knn_vector_attention",
             # QCNet's graph attention: torch_geometric's softmax over the edges into each node (a scatter of exp over
             # edge lists), no query-by-key matrix of positions
-            "quiet_qcnet_agent_encoder_time_pl2a_a2a_edges"}
+            "quiet_qcnet_agent_encoder_time_pl2a_a2a_edges",
+            # Reformer's local attention normalises by hand, exp(scores - logsumexp(scores)): no softmax call; DeepSpeed's
+            # block-sparse softmax runs over block scores concatenated per block row, no query-by-key matrix trace made
+            "quiet_transformers_reformer_local_chunks_look_back_causal_right_padded",
+            "quiet_deepspeed_fixed_sparsity_layout_blocksparse_bert_key_padding"}
 # a finding that is true of a correct program: fairseq's left-padded prefix at step 0 leaves its padded queries' rows
 # NaN (a softmax of all -inf, pytorch/pytorch#41508), which nothing reads later; whether a program zeroes or reads such
 # rows no trace sees (test_checks_kernels.py keeps them suspicious), so the one finding is that, and no other
