@@ -28,7 +28,9 @@ class EncoderDecoder(nn.Module):
         attention_mask = (torch.arange(s)[None, :] < src_lengths[:, None])[:, None, None, :]
         mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
         memory = self.encoder(src, attention_mask)
-        return memory.mean(1, keepdim=True) + self.decoder(tgt, mask)
+        real = attention_mask[:, 0, 0, :, None]  # (the memory pooled over its real positions)
+        pooled = (memory * real).sum(1, keepdim=True) / real.sum(1, keepdim=True)
+        return pooled + self.decoder(tgt, mask)
 
 
 def main():
