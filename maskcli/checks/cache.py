@@ -18,9 +18,8 @@ import numpy as np
 from maskcli.checks.context import Run, band, first_cell, keep
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
+from maskcli.checks.prefill import IDS  # (the model call's token ids, (B, T): a step's write positions are T of them)
 from maskcli.text import Finding
-
-IDS = ("input_ids", "idx", "tokens")  # the model call's token ids, (B, T): a step's write positions are T of them
 
 
 def _written(call, top) -> tuple[np.ndarray, str] | None:

@@ -61,7 +61,7 @@ def _counted(run: Run, call, mean: dict):
         # its attention hides a padded tail of each row from every query, the longest row whole)
         if said.source is not None:
             return _over_padding(mean, real, both)
-        return _over_padding(mean, real, both, "model's attention hides from every query") if _tails(real) else None
+        return _over_padding(mean, real, both, *HIDDEN) if _tails(real) else None
     exact = both & (zeroed == ~real).all(axis=1)
     if not exact.any():
         return None
@@ -86,8 +86,11 @@ def _tails(real: np.ndarray) -> bool:
     return bool(tails.all() and (counts == real.shape[1]).any() and (counts < real.shape[1]).any() and counts.min() > 0)
 
 
-def _over_padding(mean: dict, real: np.ndarray, both: np.ndarray, said: str = "model call states and the attention "
-                  "call before it masks"):
+STATED = ("model call states and the attention call before it masks", "the model call's stated padding")
+HIDDEN = ("model's attention hides from every query", "the padding its attention hides")  # (what says it, the source)
+
+
+def _over_padding(mean: dict, real: np.ndarray, both: np.ndarray, said: str = STATED[0], source: str = STATED[1]):
     if not both.any():
         return None
     row = int(np.flatnonzero(both)[0])
@@ -99,8 +102,7 @@ def _over_padding(mean: dict, real: np.ndarray, both: np.ndarray, said: str = "m
         f"{said}: the pooled vector takes the pads' values and "
         f"changes with the batch's padded length (sum over the real positions, divide by their count)"),
         expected=f"row {row}'s mean over its {length - len(pads)} real positions",
-        source="the model call's stated padding" if said.startswith("model call") else "the padding its attention hides",
-        cell=(row, int(pads[0]), int(pads[0])))
+        source=source, cell=(row, int(pads[0]), int(pads[0])))
 
 
 RULES = (

@@ -43,14 +43,10 @@ def _ends_on_run(mask: np.ndarray, real: np.ndarray) -> bool:
     """The mask keeps, past the ids' reading, only the first token of each row's pad run: the pad id is also the
     terminator each text ends with (an EOS that pads: the DPO reference implementation's tokenizer), kept as a token;
     the rest of the run it masks (written blind, quiet-r69a)."""
-    extra, edge = mask & ~real, np.zeros_like(real)
-    counts = real.sum(axis=1)
-    right = bool(real[:, 0].all())
-    for b in range(real.shape[0]):  # (right padding: each row's first run position; left: its last)
-        at = counts[b] if right else real.shape[1] - counts[b] - 1
-        if 0 <= at < real.shape[1]:
-            edge[b, at] = True
-    return not (extra & ~edge).any() and not (~mask & real).any()
+    counts = real.sum(axis=1)  # (right padding: each row's first run position; left: its last)
+    at = counts if real[:, 0].all() else real.shape[1] - counts - 1
+    edge = np.arange(real.shape[1])[None, :] == at[:, None]
+    return not (mask & ~real & ~edge).any() and not (~mask & real).any()
 
 
 def _handed(top) -> list:

@@ -16,22 +16,10 @@ import sys
 
 import torch
 
+from maskcli.trace.sites import running
+
 DROPOUTS = {torch.dropout: ("input", "p", "train"), torch.nn.functional.dropout: ("input", "p", "training"),
             torch.dropout_: ("input", "p", "train")}
-DEPTH = 40  # frames looked through for the module that attends (maskcli's and torch's own on the way)
-
-
-def _module(frame) -> torch.nn.Module | None:
-    """The innermost nn.Module whose method is running on the stack from `frame` (a function it called: the program's
-    own attention function, handed the weights, runs inside its forward)."""
-    for _ in range(DEPTH):
-        if frame is None:
-            return None
-        found = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if isinstance(found, torch.nn.Module):
-            return found
-        frame = frame.f_back
-    return None
 
 
 def dropped(func, args: tuple, kwargs: dict, call) -> None:
@@ -53,7 +41,8 @@ def sdpa(call) -> None:
 
 
 def _record(call, rate: float, by: str) -> None:
-    module = _module(sys._getframe(2))
+    found = running(sys._getframe(2))  # (the module calls running, innermost first: trace/sites.py)
+    module = found[0][0] if found else None
     if module is None or module.training or "eval_dropout" in call.details:
         return
     call.details["eval_dropout"] = {"p": rate, "by": by, "module": type(module).__name__}

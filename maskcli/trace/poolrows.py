@@ -67,10 +67,11 @@ class PoolRows:
                     return False
                 source, said = getattr(mask, "stated_by", None), getattr(mask, "said", None)
                 mask = mask.detach().cpu().numpy() != 0
+            kept = self.inner.setdefault(first, []) if end is None else self.records.setdefault((first, end), [])
             for hidden, what in ((hidden, what), *_last_state(output, hidden)):
                 record = {"mask": mask, "reads": [], "what": what, "source": source, "said": said,
                           "module": type(module).__name__ if end is None else None}
-                (self.inner.setdefault(first, []) if end is None else self.records.setdefault((first, end), [])).append(record)
+                kept.append(record)
                 key = id(hidden)
                 self._found[key] = (weakref.ref(hidden, lambda _, key=key, found=self._found: found.pop(key, None)), record)
             return True
