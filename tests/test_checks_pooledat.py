@@ -258,3 +258,38 @@ def test_skyrl_tx_sampler_right_padded_prompts_first_token_read_at_a_pad(tmp_pat
     was sampled from a pad slot's output (`[:, -1]`). The fix pads on the left."""
     [hit] = check_bug(tmp_path, "skyrl_tx_tinker_sample_batch_right_padded_prompts", "pooled-at-padding")[:1]
     assert "of Qwen3ForCausalLM's output is pooled at position 31 by [:, -1]" in " ".join(hit["message"].split())
+
+
+def test_repeng_control_vector_reads_each_rows_last_slot_of_a_right_padded_batch(tmp_path):
+    """vgel/repeng#38 (written blind, batch blind-md; missed before: rows handed out one at a time and layers other than
+    the last were not followed): batched_get_hiddens iterated each layer's `hidden_states[k]` row by row and kept
+    `row[-1, :]`, a pad slot of every sentence shorter than its GPT-2 batch's longest (right-padded, pad = eos). The
+    fix reads each row at its last attention_mask position."""
+    [hit] = check_bug(tmp_path, "repeng_batched_hiddens_last_slot_is_right_pad", "pooled-at-padding")
+    assert "of GPT2LMHeadModel's output is pooled at position 18 by [-1] of each row" in " ".join(hit["message"].split())
+
+
+def test_a_probe_reading_a_middle_layers_rows_one_at_a_time_at_the_last_slot(tmp_path):
+    """The same slip written another way (tests/data/pooledat): a Llama's layer-1 hidden states, each row taken as
+    `layer[i]` and read at `[-1]`, of a right-padded batch; row 1's tokens are 0-2, so position 5 is its padding. The
+    fix (each row's last real token) is quiet and matches every sentence run alone."""
+    [hit] = check_bug(tmp_path, "probe_middle_layer_rows_read_one_at_a_time_at_last_slot", "pooled-at-padding", POOLPAD)
+    assert tuple(hit["cell"]) == (1, 5, 5)
+
+
+def test_sunzeyeah_rlhf_pangu_end_scores_read_at_the_longer_answers_end(tmp_path):
+    """sunzeyeah/RLHF#17 (written blind, batch blind-mr; missed before: a (B, 1, L) mask of stacked samples, a (B, 1,
+    L, D) output squeezed, and a slice of a row read at its last element were not followed): the pairwise reward model
+    read each answer's end score as the last element of `values[i][divergence:max(c_ind, r_ind)]`, a pad slot of the
+    shorter answer of a pair. The fix reads each answer at its own last token."""
+    [hit] = check_bug(tmp_path, "sunzeyeah_rlhf_pangu_reward_end_scores_at_pair_max_end", "pooled-at-padding")
+    assert "read at position 23 by [-1] of a slice of each row of a head" in " ".join(hit["message"].split())
+
+
+def test_a_pairwise_reward_read_off_a_span_ending_at_the_longer_answer(tmp_path):
+    """The same slip written another way (tests/data/pooledat): DeepSpeed-Chat's pairwise loop over a hand-written GPT
+    under a value head, its mask BERT's additive -10000, the end score `span[-1]` of `values[i][divergence:end]`; the
+    chosen answer of pair 1 (tokens 0-4) read at 7. The fix is quiet and matches each answer run alone."""
+    hits = check_bug(tmp_path, "pairwise_reward_truncated_span_last_element_of_the_longer_answer", "pooled-at-padding",
+                     POOLPAD)
+    assert tuple(hits[0]["cell"]) == (1, 7, 7), hits

@@ -1,22 +1,19 @@
 """Where a program reads one position per batch row of its model's output: the position each row is pooled at.
 
 An embedder built on a decoder pools each row's last token (`last_hidden_state[arange(B), attention_mask.sum(1) - 1]`,
-`last_hidden_state[:, -1]`, a `gather` along the positions); an encoder pools its first (`[:, 0]`). Where the batch
-is padded, the program states which positions are its rows' tokens: the `attention_mask` it handed the model call.
-So each outermost call whose output states a `last_hidden_state` (a transformers model's output, or a dict holding
-one) of (B, L, D), handed a (B, L) `attention_mask` with padding in it, has that tensor followed (weakly: nothing
-kept alive, and the mode is on only while it lives) until it is indexed with one position per row: an int or a
-slice-free index on the positions (`[:, -1]`), a pair of index tensors (the rows, the positions), or
-`gather(1, ...)` with one position per row, and no longer once it was (the mode on all the while would make an
-embedder's loop 1.4 times slower). The rows and positions read, with that mask, are kept on the call's
-Top (`pooled`: attached as the tops are read), which checks/pooledat.py holds against the mask. A language model's
-(B, L, V) `logits` are followed the same way where its output states no `last_hidden_state` (a reranker or a
-classifier reads one position per row of them: ms-swift's `logits[:, -1]`), save where the call is a decoder's over
-another sequence (an encoder-decoder's output, `decoder_*` inputs: its mask is the source's) or is handed `labels` (its
-loss is its own, over every position: a training loop's logits, read no other way, would keep the mode on). A model
-call made inside the outermost one (a pipeline's encoder: sentence-transformers' Sequential calls its Transformer
-module, which calls the model, and Pooling reads `token_embeddings[:, 0]` before the Sequential returns) is followed
-the same way (`inside`): its reads are kept on the outermost call's Top, under the inner model's class.
+`[:, -1]`, a `gather` along the positions); an encoder pools its first (`[:, 0]`). Where the batch is padded, the
+program states which positions are its rows' tokens: the `attention_mask` it handed the model call. So each outermost
+call whose output states a (B, L, D) `last_hidden_state` (or `hidden_states`, each layer's), handed a (B, L)
+`attention_mask` with padding in it, has that tensor followed (weakly, the mode on only while it lives) until it is
+indexed with one position per row: an int or slice-free index on the positions (`[:, -1]`), a pair of index tensors,
+`gather(1, ...)`, or its rows one at a time (`for row in output: row[-1]`, `output[i][-1]`), and no longer once it
+was (the mode on all the while would make an embedder's loop 1.4 times slower). The rows and positions read, with
+that mask, are kept on the call's Top (`pooled`), which checks/pooledat.py holds against the mask. A language model's
+(B, L, V) `logits` are followed the same way where its output states no `last_hidden_state` (ms-swift's reranker's
+`logits[:, -1]`), save where the call is a decoder's over another sequence (an encoder-decoder's, `decoder_*` inputs)
+or is handed `labels` (its loss is its own, over every position). A model call made inside the outermost one
+(sentence-transformers' Sequential calls its Transformer module, which calls the model, and Pooling reads
+`token_embeddings[:, 0]` before the Sequential returns) is followed the same way (`inside`), under its own class.
 
 Also followed: a model's output handed back bare, (B, L, D), or first in a tuple (return_dict=False; a hand-written
 model's `(x, attn)`), and a head computed of a followed output position by position (`linear`, `squeeze`, a cast: a
@@ -34,6 +31,7 @@ import weakref
 import numpy as np
 import torch
 
+from maskcli.trace.poolread import CELL, _gathered, _indexed, _lead, _stacked
 from maskcli.trace.unseen import unseen
 
 MOST = 4096  # rows x positions of the mask kept at most
@@ -41,7 +39,7 @@ HEADS = frozenset({"linear", "squeeze", "float", "to"})  # position by position:
 NORMS = frozenset({"layer_norm", "rms_norm"})  # position by position, the output's own shape: the output still
 SCALED = frozenset({"mul", "__mul__", "__rmul__", "add", "__add__", "__radd__"})  # the output times a factor (or plus
 # a bias: a reward head's `gain * r + bias`) of its own shape or broadcast to it
-CELL = "[row, position]"  # how a one-cell read is said
+ADDED = -5e3  # an additive mask's value at or below which a key is masked: (1 - mask) * -10000 (old GPT-2's, PanGu's)
 
 
 class PoolRows:
@@ -63,12 +61,12 @@ class PoolRows:
                 return False
             with unseen():  # (maskcli's own reads: no mode, no subclass of the program's sees them)
                 mask = _mask(module, args, kwargs)
-                if not _padded(mask) or tuple(mask.shape) != tuple(hidden.shape[:2]):
+                if not _padded(mask) or tuple(mask.shape) != _lead(hidden):
                     return False
                 source, said = getattr(mask, "stated_by", None), getattr(mask, "said", None)
                 mask = mask.detach().cpu().numpy() != 0
             kept = self.inner.setdefault(first, []) if end is None else self.records.setdefault((first, end), [])
-            for hidden, what in ((hidden, what), *_last_state(output, hidden)):
+            for hidden, what in ((hidden, what), *_states(output, hidden)):
                 record = {"mask": mask, "reads": [], "what": what, "source": source, "said": said,
                           "module": type(module).__name__ if end is None else None}
                 kept.append(record)
@@ -190,6 +188,19 @@ class PoolRows:
         if held is None or held[0]() is not given:
             return
         try:
+            if held[2:3] == ("row",):  # (one row of a followed output, `for row in output` or `output[i]`: its read)
+                self._read_row(name, args, given, held, out)
+                return
+            if name == "unbind" and (args[1] if len(args) > 1 else kwargs.get("dim", 0)) == 0 and isinstance(out, tuple) \
+                    or name == "__getitem__" and len(args) > 1 and type(args[1]) is int and type(out) is torch.Tensor:
+                self._rows(given, held, out, args[1] if name == "__getitem__" else None)
+                return
+            if given.dim() == 4:  # ((B, 1, L, D) squeezed to (B, L, D): the same output, PanGu's `squeeze(1)`; no other
+                if name == "squeeze" and type(out) is torch.Tensor and out.dim() == 3:  # read of it is followed)
+                    key = id(out)
+                    self._found[key] = (weakref.ref(out, lambda _, key=key, found=self._found: found.pop(key, None)),
+                                        *held[1:])
+                return
             if name in NORMS or name in SCALED:  # (a final norm over the output, or the output times its mask, position
                 # by position: the same output, CLIP's final_layer_norm, sentence-transformers' `token_embeddings *
                 if type(out) is torch.Tensor and out.shape == given.shape:  # input_mask_expanded` before their pooling)
@@ -204,9 +215,36 @@ class PoolRows:
                     self._found[key] = (weakref.ref(out, lambda _, key=key, found=self._found: found.pop(key, None)),
                                         held[1], "head")
                 return
-            self._read(func, args, kwargs, given, held[1], len(held) > 2)
+            self._read(func, args, kwargs, given, held[1], held[2:3] == ("head",))
         except (Exception, SystemExit):  # noqa: BLE001 - what the other followers read of this call is read still
             pass
+
+    def _rows(self, given: torch.Tensor, held: tuple, out, at: int | None) -> None:
+        """Each row a followed output hands out (`unbind(0)`, as iterating it does; `output[i]`) followed as its row."""
+        rows = given.shape[0]
+        for row, tensor in (enumerate(out) if at is None else ((at % rows, out),) if -rows <= at < rows else ()):
+            if type(tensor) is torch.Tensor and tensor.shape == given.shape[1:]:
+                key = id(tensor)
+                self._found[key] = (weakref.ref(tensor, lambda _, key=key, found=self._found: found.pop(key, None)),
+                                    held[1], "row", row, id(given), rows, held[2:3] == ("head",))
+
+    def _read_row(self, name: str, args: tuple, row: torch.Tensor, held: tuple, out=None) -> None:
+        """A row of a followed output read at one position (`row[p]`, `row[p, :]`): its pooling (repeng's `[-1, :]`);
+        a slice of it (`row[start:end]`, DeepSpeed-Chat's truncated reward) followed as the row from `start` on."""
+        index = args[1] if name == "__getitem__" and len(args) > 1 else None
+        at = index[0] if isinstance(index, tuple) and index and all(i == slice(None) for i in index[1:]) else index
+        offset = held[7] if len(held) > 7 else 0
+        if isinstance(at, slice) and at.step is None and type(out) is torch.Tensor and out.dim() == row.dim():
+            start = range(row.shape[0])[at].start if len(range(row.shape[0])[at]) else None
+            if start is not None and out.shape[0] == len(range(row.shape[0])[at]):
+                key = id(out)
+                self._found[key] = (weakref.ref(out, lambda _, key=key, found=self._found: found.pop(key, None)),
+                                    *held[1:7], offset + start)  # (its reads said `of a slice of each row`)
+        elif type(at) is int and -row.shape[0] <= at < row.shape[0]:
+            self._found.pop(id(row), None)
+            how = f"[{at}] of {'a slice of ' if len(held) > 7 else ''}each row"
+            self._kept(held[1], (np.array([held[3]]), np.array([offset + at % row.shape[0]]), how), held[6], held[4],
+                       held[5])
 
     def _read(self, func, args: tuple, kwargs: dict, given: torch.Tensor, record: dict, head: bool = False) -> None:
         name = getattr(func, "__name__", "")
@@ -220,15 +258,21 @@ class PoolRows:
         else:
             return
         if read is not None:  # (its pooling, read: followed no longer, so the mode is off again for the rest of the
-            # program: the next model call, an embedder's loop, runs untouched until its own output)
-            record["reads"].append({"rows": read[0], "positions": read[1], "head": head, "cell": read[2] == CELL,
-                                    "how": read[2] + (" of a head computed over it" if head else "")})
-            cells = [r for r in record["reads"] if r["cell"]]
-            if len(cells) > len({int(r["rows"][0]) for r in cells}):  # (a row read twice: a loop over positions, no
-                record["reads"] = [r for r in record["reads"] if r not in cells]  # pooling; what it read, let go)
-                self._found.pop(id(given), None)
-            elif read[2] != CELL or len(record["reads"]) >= rows:  # (a loop reading a row at a time: followed
-                self._found.pop(id(given), None)  # until it has read as many as the rows)
+            self._kept(record, read, head, id(given), rows)  # program: the next model call, an embedder's loop, runs
+            # untouched until its own output)
+
+    def _kept(self, record: dict, read: tuple, head: bool, given: int, rows: int) -> None:
+        """`read` (rows, positions, how) kept on `record`; the output `given` followed no longer once it is read (a
+        row at a time: once as many rows are read as it has; a row read twice is a loop over positions, no pooling)."""
+        cell = read[2] == CELL or read[2].endswith("of each row")
+        record["reads"].append({"rows": read[0], "positions": read[1], "head": head, "cell": cell,
+                                "how": read[2] + (" of a head computed over it" if head else "")})
+        cells = [r for r in record["reads"] if r["cell"]]
+        if len(cells) > len({int(r["rows"][0]) for r in cells}):  # (what a loop over positions read, let go)
+            record["reads"] = [r for r in record["reads"] if r not in cells]
+            self._found.pop(given, None)
+        elif not cell or len(record["reads"]) >= rows:
+            self._found.pop(given, None)
 
 
 def _mask(module, args: tuple, kwargs: dict):
@@ -259,6 +303,8 @@ def _mask(module, args: tuple, kwargs: dict):
                     mask.stated_by = f"its ids `{name}` padded with the pad id {pad} the model states"
     if isinstance(mask, dict) or type(mask) is torch.Tensor and mask.dim() == 4:
         return _rows_seeing(mask)
+    if type(mask) is torch.Tensor and mask.dim() == 3 and mask.shape[1] == 1:
+        return mask[:, 0]  # (a (B, 1, L) mask, each sample's (1, L) stacked: sunzeyeah/RLHF's reward collator)
     return mask
 
 
@@ -274,7 +320,7 @@ def _rows_seeing(mask):
         return None
     seeing, keys = None, True
     for m in masks:
-        kept = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2 if m.is_floating_point() else m != 0
+        kept = m if m.dtype == torch.bool else m > ADDED if m.is_floating_point() else m != 0  # (BERT's -10000 too)
         keys = keys and (kept.shape[2] == 1 or kept.shape[3] == kept.shape[2] and bool((kept == kept[:, :, :1]).all()))
         rows = kept.any(dim=3).any(dim=1)
         seeing = rows if seeing is None else seeing | rows
@@ -311,11 +357,11 @@ def _hidden(output, kwargs: dict):
     def stated(name: str):
         return output.get(name) if isinstance(output, dict) else getattr(output, name, None)
 
-    if isinstance(output, tuple) and output and type(output[0]) is torch.Tensor and output[0].dim() == 3:
+    if isinstance(output, tuple) and output and type(output[0]) is torch.Tensor and _stacked(output[0]) in (3, 4):
         output = output[0]  # (return_dict=False: a model's hidden states first, as a hand-written one returns them)
-    if type(output) is torch.Tensor:  # (a hand-written model's forward returning its (B, L, D) output itself)
-        hidden, what = output, "output"
-        return (hidden, what) if hidden.dim() == 3 and hidden.is_floating_point() and hidden.device.type != "meta" \
+    if type(output) is torch.Tensor:  # (a hand-written model's forward returning its (B, L, D) output itself, or
+        hidden, what = output, "output"  # (B, 1, L, D) where each sample's ids were (1, L), stacked)
+        return (hidden, what) if _stacked(hidden) and hidden.is_floating_point() and hidden.device.type != "meta" \
             and kwargs.get("labels") is None else (None, "")
     what = "last_hidden_state"
     hidden = stated(what)
@@ -327,49 +373,13 @@ def _hidden(output, kwargs: dict):
     return hidden, what
 
 
-def _last_state(output, hidden) -> tuple:
-    """((the last of the output's `hidden_states`, its name),) where the call was asked for them and its followed
-    output is another tensor (a causal LM's logits: an RLHF reward head reads `output.hidden_states[-1]`), else ()."""
+def _states(output, hidden) -> tuple:
+    """(each of the output's `hidden_states` of its followed output's (B, L), with its name) where the call was asked for
+    them, other than the followed output itself (a causal LM's logits: an RLHF reward head reads
+    `output.hidden_states[-1]`; a control vector reads each layer's last token, repeng's `hidden_states[k]`), else ()."""
     states = output.get("hidden_states") if isinstance(output, dict) else getattr(output, "hidden_states", None)
-    last = states[-1] if isinstance(states, (tuple, list)) and states else None
-    if type(last) is not torch.Tensor or last is hidden or last.shape[:2] != hidden.shape[:2] or last.dim() != 3 \
-            or not last.is_floating_point():
+    if not isinstance(states, (tuple, list)) or len(states) > MOST:
         return ()
-    return ((last, "hidden_states[-1]"),)
-
-
-def _ints(index, rows: int) -> np.ndarray | None:
-    """A 1-D integer index tensor of `rows` entries, as numpy."""
-    if not issubclass(type(index), torch.Tensor) or index.dim() != 1 or index.shape[0] != rows \
-            or index.is_floating_point() or index.dtype == torch.bool or index.device.type == "meta":
-        return None
-    return index.detach().cpu().numpy().astype(np.int64)
-
-
-def _indexed(index, rows: int, length: int):
-    """(rows, positions, how) of `output[index]` reading one position per row, or None."""
-    if not isinstance(index, tuple) or len(index) < 2:
-        return None
-    first, second = index[0], index[1]
-    if isinstance(first, slice) and first == slice(None) and isinstance(second, int) and not isinstance(second, bool) \
-            and -length <= second < length:
-        return np.arange(rows), np.full(rows, second % length), f"[:, {second}]"
-    if len(index) == 2 and all(type(i) is int for i in index) and 0 <= first < rows and -length <= second < length:
-        return np.array([first]), np.array([second % length]), CELL  # (one row at a time, in a loop)
-    at, where = _ints(first, rows), _ints(second, rows)
-    if at is None or where is None or ((where < -length) | (where >= length)).any() or ((at < 0) | (at >= rows)).any():
-        return None
-    return at, where % length, "[rows, positions]"
-
-
-def _gathered(dim, index, rows: int, length: int):
-    """(rows, positions, how) of `output.gather(1, index)` reading one position per row, or None."""
-    if dim not in (1, -2) or not issubclass(type(index), torch.Tensor) or index.dim() != 3 or index.shape[:2] != (rows, 1):
-        return None
-    index = index.detach().cpu()
-    if not (index == index[..., :1]).all():
-        return None
-    where = index[:, 0, 0].numpy().astype(np.int64)
-    if ((where < 0) | (where >= length)).any():
-        return None
-    return np.arange(rows), where, "gather(1, ...)"
+    return tuple((state, f"hidden_states[{'-1' if at == len(states) - 1 else at}]") for at, state in enumerate(states)
+                 if type(state) is torch.Tensor and state is not hidden and state.dim() == 3
+                 and state.shape[:2] == hidden.shape[:2] and state.is_floating_point())
