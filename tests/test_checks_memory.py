@@ -651,3 +651,13 @@ def test_a_memory_with_learned_keys_appended_read_against_its_encoders_padding(t
     lengths = (6, 3)
     assert tuple(hit["cell"]) == first((2, 5, 8), lambda b, q, k: lengths[b] <= k < 6), hit
     assert "its keys the call's 0-5" in hit["message"]
+
+
+def test_a_fusion_layers_cross_attention_over_an_unpadded_image_is_not_read_against_its_texts_padding(tmp_path):
+    """ALBEF's VQA (written blind, quiet-r72a, a false alarm): each fusion layer's text self-attention hides the
+    question's padding, then its cross-attention from the text to the image's patches (all real) masks nowhere. With
+    fewer text tokens than patches, the patches were read as the text's keys and a few of the attention's own, and the
+    text's padding as the memory's: the self-attention just before a cross-attention, of its own queries, states no
+    memory's padding. The same program flagged before (tests/data/memory/, written another way) is quiet."""
+    status, found, report = traced(tmp_path, "fusion_layer_text_padding_then_image_cross_attention", False, MEMORY)
+    assert status == 0 and [f for f in found if f["code"] == "encoder-padding-ignored"] == [], report

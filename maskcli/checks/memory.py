@@ -16,6 +16,8 @@ self-attention side of padding is arguments.py's.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from maskcli.checks.context import Run, _block, cross, crossing, first_cell, keep
@@ -157,9 +159,10 @@ def _with_own_keys(run: Run, call, read: dict):
     every = [np.broadcast_to(one.any(axis=1), (rows, *one.shape[2:])) for one in planes]  # (the call's, then its site's)
     cells, attending = every[0], every[0].any(axis=-1)
     for said, keys, ends in own_key_ends(run, call, every, read, lambda keys, k_len: k_len < 2 * keys):
-        if _stack(said.where) == _stack(call.where) is not None:
+        if _stack(said.where) == _stack(call.where) is not None or _queries_own(run, call, said.real):
             continue  # (an encoder that is no layer of the call's own stack, as a decoder's self-attention over its
-            # boxes beside its cross-attention is not: surya's)
+            # boxes beside its cross-attention is not: surya's; nor the self-attention of the call's own queries
+            # just before it, ALBEF's fusion layer: its text's padding, the image patches its keys)
         readings = []
         for offset in ends:
             real = np.ones((rows, k_len), dtype=bool)
@@ -169,6 +172,19 @@ def _with_own_keys(run: Run, call, read: dict):
         if readings:
             return (kept or readings)[0]
     return None
+
+
+def _queries_own(run: Run, call, real: np.ndarray) -> bool:
+    """The attention call just before `call` is a self-attention of its queries (as many, the same rows) whose keys seen
+    are `real` (an encoder's padding read over as many keys): the queries' own padding (a fusion layer's text
+    self-attention, then its cross-attention over the image), said of no memory."""
+    at = bisect.bisect_left(run.calls, call.index, key=lambda one: one.index)
+    before = run.calls[at - 1] if at else None
+    if before is None or before.shape[0] != call.shape[0] or not before.shape[2] == before.shape[3] == call.shape[2] \
+            == real.shape[1]:
+        return False
+    cells = keep(before)
+    return cells is not None and np.array_equal(np.broadcast_to(cells.any(axis=(1, 2)), real.shape), real)
 
 
 def _stack(where: str) -> str | None:
