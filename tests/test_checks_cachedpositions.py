@@ -47,3 +47,15 @@ def test_a_decode_numbered_after_every_cached_token_is_quiet(tmp_path):
     position 1 (HF's masked_fill(mask == 0, 1)), decoding each token after every real token of its row: no finding."""
     status, found, report = traced(tmp_path, "left_padded_decode_pad_positions_one", False, HERE)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_cache_begun_anew_after_a_reference_run_at_the_same_layer_is_quiet(tmp_path):
+    """DeepSparse's fixed-shape engines (written blind, quiet-r72b, a false alarm): a reference run of one prompt (all
+    at once, positions 0..8) and then the next prompt's engine calls at the same layer, on a blank cache of fixed
+    columns. The new prompt's first call sees none of the keys the reference cached, so its cache is no longer that
+    run's: its decode steps, numbered after its own 3 tokens, were judged against the reference's positions 0..8. The
+    program flagged so before (tests/data/cachedpositions, written another way) is quiet, and matches its prompt run
+    alone."""
+    status, found, report = traced(tmp_path, "static_columns_new_prompt_after_a_reference_run", False, HERE)
+    assert status == 0 and not [f for f in found if f["code"] == "positions-inside-cache"], report
+    assert "matches B alone" in report, report

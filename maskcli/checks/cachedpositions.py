@@ -56,22 +56,23 @@ def _layouts(q_len: int, k_len: int, p_len: int) -> list:
 
 def _judge(seen: np.ndarray, real: np.ndarray, asked: np.ndarray, cached: np.ndarray, q_len: int, start: int,
            own: int) -> tuple | None:
-    """(holds, (b, q, k, cached position) of the first query placed at or before a cached real key it sees, or None)."""
+    """(holds, (b, q, k, cached position) of the first query placed at or before a cached real key it sees, or None,
+    whether a real query sees any cached real key)."""
     p_len = real.shape[1]
     into = seen[:, :, start:start + p_len]  # (B, Lq, Lp)
     judged = seen.any(axis=2)  # (B, Lq): the step's real queries (a query that sees nothing is padding)
     if (into & ~real[:, None, :] & judged[..., None]).any():
-        return False, None  # the prefill's padding seen: not this layout (or padding-lost's to say)
+        return False, None, False  # the prefill's padding seen: not this layout (or padding-lost's to say)
     if (judged & ~seen[:, :, own:own + q_len].any(axis=2)).any():
-        return False, None  # a real query that sees nothing of its own block: not this layout
+        return False, None, False  # a real query that sees nothing of its own block: not this layout
     live = into & real[:, None, :]
     most = np.where(live, cached[:, None, :], np.iinfo(np.int64).min).max(axis=2)  # (B, Lq)
     bad = judged & live.any(axis=2) & (asked <= most)
     if not bad.any():
-        return True, None
+        return True, None, bool((judged & live.any(axis=2)).any())
     b, q = (int(x) for x in np.argwhere(bad)[0])
     j = int(np.flatnonzero(live[b, q] & (cached[b] >= asked[b, q]))[0])
-    return True, (b, q, start + j, int(cached[b, j]))
+    return True, (b, q, start + j, int(cached[b, j])), True
 
 
 def _applied(call, asked: np.ndarray) -> bool:
@@ -111,7 +112,11 @@ def check(run: Run) -> list:
             seen = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
             said = [_judge(seen, real, asked, cached, q_len, start, own)
                     for start, own in _layouts(q_len, k_len, real.shape[1])]
-            said = [hit for holds, hit in said if holds]
+            holding = [one for one in said if one[0]]
+            if holding and not any(sees for _, _, sees in holding):
+                prefill = None  # (no real query sees a key the prefill cached, whatever the layout: a cache begun anew
+                continue  # over the site's fixed columns, DeepSparse's next prompt; its later steps are not the prefill's)
+            said = [hit for holds, hit, _ in said if holds]
             if not said or any(hit is None for hit in said):
                 continue
             b, q, k, at = said[0]
