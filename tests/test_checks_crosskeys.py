@@ -49,3 +49,16 @@ def test_a_new_generation_over_a_shorter_memory_is_quiet():
     # every layer's memory shrinks together (another source): nothing says it was cut
     assert _codes([7, 4]) == []
     assert _codes([7]) == []
+
+
+def test_references_of_one_patch_each_beside_a_file_named_for_cross_attention_are_quiet(tmp_path):
+    """BLT (written blind, quiet-r73a, a false alarm): its self-check ran each patch's cross-attention over that patch's
+    bytes alone, beside SDPA self-attention references named by their line of a file called
+    quiet_blt_patch_cross_attn_...py; the file's name was read as a cross-attention's module path, so the references
+    seemed a sibling layer holding the full memory. A file's name is no module's. Written another way here (its name
+    holds "cross_attention"): quiet, and every patch matches its bytes alone."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "patch_cross_attention_checked_patch_by_patch", False, FOLDER)
+    assert status == 0 and not [f for f in found if f["code"] == "cross-memory-truncated"], report
+    assert "every patch matches its bytes alone" in report, report

@@ -128,8 +128,8 @@ def masked_somewhere(call) -> bool:
     found = call.details
     return call.api != "softmax" or bool(found.get("fill") or found.get("fill_value") is not None or found.get("additive")
                                          or found.get("bool_added")  # (a bool mask added to the scores: dtypes.py)
-                                         or found.get("module_causal")  # (a module that says it is causal: own.py)
-                                         or "att" in found.get("class_causal", "").lower()  # (`CausalAttention`)
+                                         or found.get("module_causal")  # (a module that says it is causal: own.py;
+                                         or "att" in found.get("class_causal", "").lower()  # `CausalAttention`)
                                          or found.get("dropped_mask"))  # (handed an attention mask: trace/given.py)
 
 
@@ -266,8 +266,8 @@ def _layer_number(where: str) -> int | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cross_word(where: str) -> bool:
-    return CROSS_WORDS.search(where) is not None
+def _cross_word(where: str) -> bool:  # (a file's name, a call named by its `file.py:LINE`, is no module's path)
+    return CROSS_WORDS.search(re.sub(r"\S*\.py:\d+", "", where)) is not None
 
 
 def keep(call) -> np.ndarray | None:

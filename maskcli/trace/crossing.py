@@ -33,7 +33,8 @@ from maskcli.trace.held import program_frames
 
 MEMORY = ("encoder_hidden_states", "key_value_states", "context", "memory", "encoder_output", "encoder_out",
           "encoder_outputs", "enc_output", "enc_out", "cross_attention_states", "cross_attn_states", "encoder_states",
-          "media", "image_embeds", "image_features", "vision_features", "audio_features")  # (Flamingo's, BLIP-2's...)
+          "media", "image_embeds", "image_features", "vision_features", "audio_features", "vision")  # (Flamingo's,
+# BLIP-2's...; Mllama's ports hand the vision tower's output as `vision`)
 CROSS_INPUT = re.compile(r"^cross_(?!.*(?:mask|bias|pos|len|idx|index|type))[a-z_]+$")  # an engine layer's own word for
 # the memory it attends (TensorRT-Model-Connect's BART decoder layer: `cross_k`, `cross_v`, the encoder's output rows)
 METHOD_ONLY = ("kv",)  # a module method's `kv` (x-transformers' `forward(x, kv=None)`): a kernel's packed kv is not one
