@@ -55,3 +55,28 @@ def test_an_sdpa_call_handed_a_mask_and_is_causal_is_read_as_both():
         assert (kept == np.broadcast_to(expected, kept.shape)).all()
         alone = F.scaled_dot_product_attention(q, k, v, attn_mask=both)
         assert torch.allclose(out[0], alone[0]) and torch.allclose(out[1, :, 2:], alone[1, :, 2:])  # (the real rows)
+
+
+def test_grouped_scores_of_six_dims_are_read_as_one_call_per_head():
+    """tiny-llm's grouped attention (written blind, blind-mh; no call was recorded): queries (B, 1, kv heads, repeats,
+    Lq, D) against keys (B, 1, kv heads, 1, Lk, D), a bottom-right causal mask of -inf added, torch.softmax over the
+    last axis. Read as a (B, kv heads x repeats, Lq, Lk) call whose cells are a double loop's over positions; its
+    output matches SDPA's with the same mask, the keys repeated per group."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import maskcli
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 2, 3, 2, 8), torch.randn(1, 1, 2, 1, 5, 8), torch.randn(1, 1, 2, 1, 5, 8)
+    bias = torch.where(torch.ones(2, 5).tril(3).bool(), 0.0, float("-inf"))  # (query i sees keys j <= i + 3)
+    with maskcli.trace() as t:
+        out = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + bias, dim=-1) @ v
+    [call] = t.calls
+    assert call.shape == (1, 6, 2, 5)
+    expected = np.array([[j <= i + 3 for j in range(5)] for i in range(2)])
+    assert (call.keep() == np.broadcast_to(expected, call.keep().shape)).all()
+    want = F.scaled_dot_product_attention(q[:, 0].reshape(1, 6, 2, 8), k[:, 0].expand(1, 2, 3, 5, 8).reshape(1, 6, 5, 8),
+                                          v[:, 0].expand(1, 2, 3, 5, 8).reshape(1, 6, 5, 8), attn_mask=bias == 0)
+    assert torch.allclose(out[:, 0].reshape(1, 6, 2, 8), want, atol=1e-6)

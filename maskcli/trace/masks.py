@@ -329,8 +329,12 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     dtype's lowest value (masked_fill and Hugging Face's eager path), or a finite fill (_finite_fill); else None."""
     x = softmax_input(args, kwargs)
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3, 4, 5) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3, 4, 5, 6) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
         return None
+    if x.dim() == 6:  # (B, 1, kv heads, repeats, Lq, Lk): tiny-llm's grouped scores, a batch shape (*B, -1, ...) of one
+        if x.shape[1] != 1:
+            return None
+        x = x[:, 0]
     one = x.dim() == 2  # (B, Lk): one query's scores against a memory (only read where they came from q @ kᵀ: scores.py)
     if one:
         x = x[:, None, :]
