@@ -381,3 +381,24 @@ def test_a_call_of_no_queries_between_chunks_is_no_chunk(tmp_path):
     groups = json.loads(out.read_text())["groups"]
     assert [f for group in groups for f in group["findings"]] == []
     assert "empty: 0 queries, 0 keys" in result.output and "causal" in result.output
+
+
+def test_returnn_causal_self_attention_chunk_sees_its_later_frames(tmp_path):
+    """rwth-i6/returnn 324fa79 (written blind, batch blind-mq; caught before tuning, its fix flagged too): a chunk
+    attended over its state joined with its frames gave every frame the whole joined length, so frame 0 of the second
+    chunk saw the chunk's later frames. The fix's row 1, whose short first chunk packs its next frames before the
+    call's key columns end, is no longer compared on the call's layout (its queries miss their own placed columns)."""
+    hit = check_bug(tmp_path, "returnn_rf_causal_self_att_concat_state_no_causal_mask", "prefill-chunks-differ")[0]
+    assert "query 5 of batch row 0 sees key 6, later than itself" in " ".join(hit["message"].split())
+
+
+def test_chunks_whose_state_is_packed_per_row_are_quiet(tmp_path):
+    """Written another way (tests/data/chunkstate): each chunk right-padded, the state kept per row and the next chunk's
+    frames joined right after it, each frame seeing its own key count; the row with a short first chunk has its
+    second chunk at columns 3..6, not at the call's last columns. Quiet, and every frame matches the whole sequence."""
+    from pathlib import Path
+
+    status, found, report = traced(tmp_path, "streamed_chunks_state_packed_per_row", False,
+                                   Path(__file__).parent / "data" / "chunkstate")
+    assert status == 0 and not [f for f in found if f["code"] == "prefill-chunks-differ"], report
+    assert "every real frame matches the whole sequence at once" in report
