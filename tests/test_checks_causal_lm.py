@@ -151,3 +151,15 @@ def test_video_frames_attended_both_ways_not_a_causal_prompt(tmp_path):
     for fixed in (False, True):
         status, found, report = traced(tmp_path, "causvid_rolling_cache_keeps_sink_plus_local_frames", fixed, folder)
         assert not [f for f in found if f["code"] == "causal-lm-both-ways"], report
+
+
+def test_blocks_behind_a_cache_each_as_large_as_the_first_pass_are_quiet(tmp_path):
+    """MemFlow's streaming video generator (written blind, blind-mq: its fix, and its buggy run for the same wrong
+    reason, were said to run a causal layer's prompt both ways): every step is a block of frames as large as the first
+    pass, attending itself both ways and every earlier block behind its cache; no config states a frame's size. Written
+    another way (tests/data/causallm): a CausalSelfAttention over blocks of 6, its self-check a one-pass block-causal
+    call at the same site. Quiet, and every block matches that pass."""
+    status, found, report = traced(tmp_path, "block_causal_generator_blocks_behind_a_cache_no_frame_size_said", False,
+                                   Path(__file__).parent / "data" / "causallm")
+    assert status == 0 and not [f for f in found if f["code"] == "causal-lm-both-ways"], report
+    assert "every block matches one block-causal pass" in report

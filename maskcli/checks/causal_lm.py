@@ -126,7 +126,11 @@ def _frame_blocks(top, calls: list) -> bool:
     takes whole frames of queries: a frame, or a block of frames, attends both ways in a causal video model (CausVid,
     Self-Forcing), causal only from block to block."""
     said = next((one.fields["frame_budget"] for one in top.stated if "frame_budget" in one.fields), None)
-    return said is not None and all(call.shape[2] % said[1] == 0 for call in calls)
+    if said is not None and all(call.shape[2] % said[1] == 0 for call in calls):
+        return True
+    return all(call.shape[2] == calls[0].shape[2] for call in calls if call.shape[2] < call.shape[3])  # (or stated by
+    # the steps themselves: every step behind the cache a block as large as the first pass, no token decoded alone:
+    # MemFlow's frame blocks)
 
 
 def _steps_both_ways(run: Run, calls: list) -> list:
