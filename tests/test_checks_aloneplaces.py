@@ -84,3 +84,11 @@ def test_a_left_padded_opt_batch_placed_from_its_mask_by_the_model_itself_is_qui
 
     status, found, report = traced(tmp_path, "opt_left_padded_batch_positions_from_mask", False, ALONEPLACES)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_nnsight_left_padded_invokes_batched_without_position_ids(tmp_path):
+    """ndif-team/nnsight#673 (written blind, batch blind-mm; caught before any rule changed for it): LanguageModel
+    left-padded several invokes into one batch and handed GPT-2 no position_ids, so a shorter prompt's tokens were read
+    at positions shifted by its padding, unlike the same prompt traced alone. The fix numbers them from the mask."""
+    hit = check_bug(tmp_path, "nnsight_language_model_left_padded_batch_no_position_ids", "positions-unlike-alone")[0]
+    assert "reads them at rows 8-13" in " ".join(hit["message"].split())

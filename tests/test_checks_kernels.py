@@ -247,3 +247,11 @@ def test_int_text_mask_joined_with_float_image_ones_added_to_eager_scores(tmp_pa
     joint = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0])  # (two image tokens, a prompt left-padded by two)
     assert torch.softmax(scores + joint, -1)[:, 2:4].min() > 0
     assert torch.softmax(scores + (1 - joint) * torch.finfo(torch.float32).min, -1)[:, 2:4].max() == 0
+
+
+def test_qeff_gemma4_vision_padding_mask_added_as_zeros_and_ones(tmp_path):
+    """quic/efficient-transformers#1159 (written blind, batch blind-mg; caught before any rule changed for it): the
+    Gemma 4 vision tower's padding mask was built as 0/1 and added to the scores, so a smaller image's padding patches
+    gained +1 instead of being masked. The fix adds 0 or the dtype's minimum."""
+    hit = check_bug(tmp_path, "qeff_gemma4_vision_padding_mask_zero_one_added_as_bias", "ones-added")[0]
+    assert "holds only 0 and 1" in " ".join(hit["message"].split())

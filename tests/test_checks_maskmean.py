@@ -184,3 +184,13 @@ def test_an_mae_encoder_mean_pools_the_padding_it_made_itself(tmp_path):
     [hit] = check_bug(tmp_path, "mae_encoder_kept_tokens_padded_mean_pooled_whole", "mean-over-padding", MASKMEAN)[:1]
     row, pad, _ = hit["cell"]
     assert row == 1 and "the padding at positions 3, 4, 5, 6, 7, 8, 9" in " ".join(hit["message"].split())
+
+
+def test_bert_as_service_reduce_mean_over_the_zero_padding(tmp_path):
+    """jina-ai/clip-as-service#93 (written blind, batch blind-md; caught before any rule changed for it): every input
+    padded to 25 tokens, and REDUCE_MEAN / REDUCE_MAX taken over all 25 positions of BERT's second-to-last layer. The
+    fix masks the padding out of both reductions."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "bert_as_service_reduce_mean_max_pools_zero_padding", "mean-over-padding")[0]
+    assert "a mean over axis 1 of a (4, 25, 32) tensor averages all 25 positions" in " ".join(hit["message"].split())

@@ -45,3 +45,13 @@ def test_a_suffix_rescored_without_a_cache_at_its_true_positions_is_quiet(tmp_pa
     quiet = Path(__file__).parent / "data" / "quiet"
     status, found, report = traced(tmp_path, "qwen2_sliding_suffix_rescored_without_cache", False, quiet)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_ktransformers_prefix_cache_prefill_attends_its_new_chunk_alone(tmp_path):
+    """kvcache-ai/ktransformers 2ffb43f9 (written blind, batch blind-mo; caught before any rule changed for it): the
+    server reused a conversation's cached prefix and prefilled only the new tokens, and the MLA layer stored their keys
+    in the paged cache but attended over the new tokens alone. The fix reads the prefix and the new keys back."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "ktransformers_mla_prefix_cache_prefill_attends_only_new_chunk", "decode-keys-missing")[0]
+    assert "query 0 sits at position 12" in " ".join(hit["message"].split())
