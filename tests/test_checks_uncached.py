@@ -55,3 +55,21 @@ def test_ktransformers_prefix_cache_prefill_attends_its_new_chunk_alone(tmp_path
 
     hit = check_bug(tmp_path, "ktransformers_mla_prefix_cache_prefill_attends_only_new_chunk", "decode-keys-missing")[0]
     assert "query 0 sits at position 12" in " ".join(hit["message"].split())
+
+
+def test_aprender_self_speculative_verify_resets_the_kv_length(tmp_path):
+    """paiml/aprender#2014 (written blind, batch blind-ml; missed before: its positions are a Python int and its prompt
+    is fed token by token, no first pass of several): the verify step reset every layer's GPU KV length to 0 while RoPE
+    positions counted on, so query 7 attended itself alone. An earlier step behind the cache that sees keys before its
+    own now shows the layer attends back, and an int `position` in the attention's frames places the queries."""
+    hit = check_bug(tmp_path, "aprender_self_speculative_verify_resets_gpu_kv_len", "decode-keys-missing")[0]
+    message = " ".join(hit["message"].split())
+    assert "query 0 sits at position 7 (`position` in OwnedQuantizedModelCuda.forward_gpu_resident())" in message
+
+
+def test_a_chat_turns_cache_cleared_while_start_pos_carries_on(tmp_path):
+    """Written another way (tests/data/uncached): Meta-llama-style `forward(tokens, start_pos)` fed token by token, a
+    new empty cache made for the second turn while start_pos carries on; its first token, at position 6, attends
+    itself alone. The fix keeps the cache and matches one pass over the conversation."""
+    hit = check_bug(tmp_path, "chat_turns_cache_cleared_start_pos_carried", "decode-keys-missing", UNCACHED)[0]
+    assert "query 0 sits at position 6 (`start_pos` in forward())" in " ".join(hit["message"].split())

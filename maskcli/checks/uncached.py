@@ -1,7 +1,8 @@
 """A decode step placed past every key it is handed: the keys before it, which its own prefill attended, never reached it.
 
 A call site's first pass over a sequence (its queries at positions 0 .. L - 1, as many keys, L two or more) where some
-query sees a key before its own shows the layer attends back over the sequence. A later call of the same site handed
+query sees a key before its own shows the layer attends back over the sequence; so does a step behind its cache that
+sees keys before its own (a prompt fed token by token: aprender's self-speculative decode). A later call of the same site handed
 as many keys as queries, whose queries the model call places past all of them (its position_ids, cache_position or
 start position: checks/placing.py; query p with only q keys, p >= q), and fewer keys than that first pass had, is
 handed none of the keys the first pass let the same layer read: the cache the step continues is not what the kernel
@@ -36,6 +37,16 @@ def _first_pass(call, own: np.ndarray) -> bool:
     return cells is not None and bool(np.tril(cells.any(axis=tuple(range(cells.ndim - 2))), -1).any())
 
 
+def _cached_step(call, own: np.ndarray) -> bool:
+    """The call is a step behind a cache (fewer queries than keys, placed from position 1 on) that sees some key before
+    its own: the layer attends back, as a first pass shows (a prompt fed token by token has no first pass of several)."""
+    q_len, k_len = call.shape[2:]
+    if not 1 <= q_len < k_len or own[0] < 1 or not (np.diff(own) == 1).all() or int(own[-1]) != k_len - 1:
+        return False  # (its positions count its keys from 0, as a first pass's do: fairseq's, from pad + 1, are not read)
+    cells = keep(call)
+    return cells is not None and bool(cells[..., :k_len - q_len].any())
+
+
 def _alone_then(before, own: np.ndarray) -> bool:
     """The first pass held the step's positions as queries, and in some batch row (head) they saw keys of the step's
     own span and none outside it (a packed document, or a left-padded row's real tokens, run again alone at their
@@ -59,18 +70,24 @@ def uncached(run: Run) -> list:
         before = None
         for call in sorted(calls, key=lambda c: c.index):
             top, own, _ = run.placed(call)
+            held = call.details.get("query_positions")  # (a program frame's own numbering, one row for the batch: the
+            held = held if held is not None and held["rows"].shape == (1, call.shape[2]) else None  # `position` a
+            own = own if held is None else held["rows"][0]  # decoder hands its RoPE, trace/positionsat.py)
             q_len, k_len = call.shape[2:]
-            if _first_pass(call, own):
+            if _first_pass(call, own) or held is not None and _cached_step(call, own):  # (a step's numbering read,
+                # not placed at its keys' end: its own stated positions say it attends back)
                 before = call
                 continue
             if before is None or not q_len or q_len != k_len or own[0] < k_len or k_len >= before.shape[3] \
                     or _alone_then(before, own) or top is not None and top.arguments.get("no_cache"):
                 continue  # (no_cache: use_cache=False and none handed, trace/tops.py: no cache to continue)
-            said = "the model call's positions" if top is None else f"the positions {top.where} states"
+            said = f"`{held['name']}` in {held['function']}()" if held is not None else "the model call's positions" \
+                if top is None else f"the positions {top.where} states"
+            first = "the first pass" if before.shape[2] == before.shape[3] else f"step {before.step}"
             found.append((call, Finding("decode-keys-missing", (
                 f"query 0 sits at position {int(own[0])} ({said}) but is handed only {k_len} key(s), as many as its "
                 f"queries, "
-                f"though the first pass at this site ({before.shape[3]} keys) let its queries see the keys before them: "
+                f"though {first} at this site ({before.shape[3]} keys) let its queries see the keys before them: "
                 f"the keys before the step (its cache) never reached the kernel"),
                 expected=f"the keys 0..{int(own[0])} of the sequence", source=said, cell=(0, 0, 0))))
             break

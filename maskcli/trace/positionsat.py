@@ -26,6 +26,7 @@ import torch
 import maskcli.trace.held as held_module
 
 NAMES = ("position_ids", "positions", "pos_ids", "pos")
+STARTS = ("start_pos", "input_pos", "position", "pos", "seqlen_offset")  # an int parameter: the first query's position
 FRAMES = 2  # the attention's function and the one that called it
 _POSITION = re.compile(r"^(?:wpe|pos_?emb\w*|\w*position\w*|embed_pos\w*)$", re.I)
 _EMBEDS: dict = {}  # id(module) -> (weakref to it, whether it holds a position table)
@@ -171,6 +172,15 @@ def note(details: dict, walked, shape: tuple) -> None:
                 details["query_positions"] = {"rows": rows, "name": "cache_seqlens", "embedded": False,
                                              "unhanded": False, "function": getattr(code, "co_qualname", code.co_name)}
                 return
+        handed = frame.f_code.co_varnames[:frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]
+        start = next(((name, variables[name]) for name in STARTS if name in handed and type(variables.get(name)) is int
+                      and 0 <= variables[name] < 1 << 40), None)  # (a parameter the function was handed, no loop's)
+        if start is not None and not any(type(variables.get(name)) is torch.Tensor for name in NAMES):
+            code = frame.f_code  # (Meta llama's `start_pos`, a decoder's `position` handed to its RoPE: the queries
+            details["query_positions"] = {  # run on from it, one row for the batch)
+                "rows": start[1] + np.arange(q_len, dtype=np.int64)[None, :], "name": start[0], "embedded": embedded,
+                "unhanded": False, "function": getattr(code, "co_qualname", code.co_name)}
+            return
         for name in NAMES:
             held = variables.get(name)
             if type(held) is not torch.Tensor:
