@@ -1102,3 +1102,14 @@ def test_a_batch_objects_lengths_state_the_padding_a_transposed_causal_mask_show
     lengths = (7, 4)
     expected = first((2, 7, 7), lambda b, q, k: q < lengths[b] and k >= q and k >= lengths[b])
     assert tuple(hit["cell"]) == expected and "a causal mask transposed?" in hit["message"]
+
+
+def test_object_queries_as_many_as_the_text_tokens_are_not_read_against_its_padding(tmp_path):
+    """SAM3's DETR decoder (written blind, quiet-r76b, a false alarm): its object queries self-attend, then cross-attend
+    a memory of the text prompt joined before the box prompts; the text's attention_mask counted as many tokens as
+    there were object queries, and the queries' self-attention was read against it. The memory's keys begin with the
+    text: that padding is the memory's. Written another way (tests/data/quiet): 6 object queries, a 6-token text
+    joined with 2 box tokens. Quiet, and every sample matches its text alone."""
+    status, found, report = traced(tmp_path, "object_queries_over_text_then_box_prompts", False, QUIET)
+    assert status == 0 and not [f for f in found if f["code"] == "padding-ignored"], report
+    assert "every sample matches its text alone" in report

@@ -228,21 +228,21 @@ def _block(where: str) -> str:
 
 
 def beside_memory(run, call, real: np.ndarray) -> bool:
-    """`call` is a self-attention in the block of a cross-attention of the same model call whose keys are exactly the
-    keys `real` (bool (B, L) real tokens) calls real, row by row: that padding is the cross-attention's memory's (a
-    Perceiver's media frames, an encoder's source), and `call` attends over the cross-attention's queries (the latents,
-    the decoder's tokens), which it says nothing of, whatever their number."""
+    """`call` is a self-attention in the block of a cross-attention of the same model call whose keys begin with exactly
+    the keys `real` (bool (B, L) real tokens) calls real, row by row: that padding is the cross-attention's memory's (a
+    Perceiver's media frames, an encoder's source, SAM3's text joined before its box prompts), and `call` attends over
+    the cross-attention's queries (the latents, the decoder's tokens), which it says nothing of, whatever their number."""
     if not run.cross or not real.any() or real.all():
         return False
     block = _block(call.where)
     for other in run.cross:
-        if other.shape[2] != call.shape[2] or other.shape[3] != real.shape[1] or _block(other.where) != block \
+        if other.shape[2] != call.shape[2] or other.shape[3] < real.shape[1] or _block(other.where) != block \
                 or run.top(other) is not run.top(call):
             continue
         cells = keep(other)
         if cells is None or cells.shape[0] not in (1, real.shape[0]):
             continue
-        seen = np.broadcast_to(cells.any(axis=(1, 2)), real.shape)
+        seen = np.broadcast_to(cells.any(axis=(1, 2))[:, :real.shape[1]], real.shape)
         if np.array_equal(seen, np.broadcast_to(real, real.shape)):
             return True
     return False
