@@ -1209,3 +1209,11 @@ def test_a_finished_rows_decode_steps_on_its_pads_are_not_real_queries(tmp_path)
     a helper's frame. Quiet: a finished row's pad queries see its pads, no real query does."""
     status, found, report = traced(tmp_path, "finished_rows_decode_their_pads_quiet", False, HELD)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_internlm_generation_mask_never_read_by_the_cached_attention(tmp_path):
+    """InternLM/InternLM#396 (written blind, batch blind-ms; caught before any rule changed for it): the generation loop
+    built a mask of each row's left padding every step, and the attention's cached path never read it, so padded rows
+    attended their padding. The fix shifts each row's positions and masks its pads."""
+    hit = check_bug(tmp_path, "internlm_inference_forward_ignores_left_pad_mask", "held-mask-ignored")[0]
+    assert "attention_mask in _no_beam_search_generate()" in " ".join(hit["message"].split())

@@ -79,3 +79,12 @@ def test_a_plain_padding_mask_numbers_no_samples():
 def test_per_sample_calls_that_follow_the_runs_are_quiet(tmp_path):
     status, found, _ = traced(tmp_path, "openrlhf_dpo_packing_rejected_segment_ids_collide", True)
     assert status == 0 and not [f for f in found if f["code"] == "samples-leak"]
+
+
+def test_functionary_packing_patch_set_where_flash_attention_no_longer_looks(tmp_path):
+    """MeetKai/functionary 2b6d23e (written blind, batch blind-mu; caught before any rule changed for it): the packing
+    monkey-patch replaced modeling_llama's `_get_unpad_data`, which transformers' flash-attention helpers no longer
+    call, so the numbered mask was read as a plain 0/1 mask and packed data points attended each other. The fix
+    patches modeling_flash_attention_utils."""
+    hit = check_bug(tmp_path, "functionary_packing_monkey_patch_misses_flash_attention_utils", "samples-leak")[0]
+    assert "numbers packed samples (row 0: [1 x 5, 2 x 4, 0 x 3])" in " ".join(hit["message"].split())

@@ -44,3 +44,11 @@ def test_right_padded_steps_under_a_causal_mask_are_quiet(tmp_path):
     status, found, report = traced(tmp_path, "min_dt_right_padded_causal_traj_mask_loss_only", False, STEPPAD)
     assert status == 0, report
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_mlx_vlm_lfm2_vision_tower_run_without_its_pixel_attention_mask(tmp_path):
+    """Blaizzy/mlx-vlm#2266 (written blind, batch blind-mt; caught before any rule changed for it): LFM2-VL's vision
+    tower packed images of different sizes padded to one length and ran its encoder with mask=None, cutting each
+    image's features out only afterwards. The fix hands the pixel_attention_mask to every encoder layer."""
+    hit = check_bug(tmp_path, "mlx_vlm_lfm2_vl_vision_tower_ignores_pixel_attention_mask", "padded-steps-attended")[0]
+    assert "pixel_attention_mask in get_input_embeddings()" in " ".join(hit["message"].split())

@@ -732,3 +732,11 @@ def test_a_text_whose_own_stop_token_is_masked_and_a_filler_copy_kept(tmp_path):
     said = [f for f in found if f["code"] == "real-tokens-masked"]
     assert status == 1 and said and tuple(said[0]["cell"]) == (1, 2, 2), report
     assert "the mask's ones padded onto the row's ends" in " ".join(said[0]["message"].split())
+
+
+def test_moss_collate_mask_cast_from_the_padded_ids(tmp_path):
+    """OpenMOSS/MOSS#165 (written blind, batch blind-ms; caught before any rule changed for it): collate_fn built the
+    batch mask by padding the input ids and casting them to bool, so the pad token stayed attended and every real token
+    of id 0 was masked, though the loss trains on it. The fix pads each sample's own all-ones mask with 0."""
+    hit = check_bug(tmp_path, "moss_sft_collate_mask_from_input_ids", "trained-token-masked")[0]
+    assert "a token the program's loss trains on" in " ".join(hit["message"].split())
