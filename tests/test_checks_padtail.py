@@ -114,3 +114,13 @@ def test_chattts_right_padded_prompts_decoded_from_a_pad_slot(tmp_path):
     texts = ["hello there, how are you today.", "hi."]
     b, q, k = found[0]["cell"]
     assert b == _first_short([len(t) for t in texts], max(map(len, texts))) and k == q - 1
+
+
+def test_haerae_hf_backend_batched_generate_right_padded_prompts(tmp_path):
+    """HAE-RAE/haerae-evaluation-toolkit aaf7af0 (written blind, batch blind-mw; caught before any rule changed for
+    it): the HuggingFace backend loaded its tokenizer with the default right padding and generated for several prompts
+    at once, so shorter prompts were continued after their pad tokens. The fix pads on the left."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "haerae_hf_backend_batched_generate_right_padded_prompts", "continued-from-padding")[0]
+    assert "the first decode step's query (position 53)" in " ".join(hit["message"].split())
