@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,6 +41,16 @@ NORMS = frozenset({"layer_norm", "rms_norm"})  # position by position, the outpu
 SCALED = frozenset({"mul", "__mul__", "__rmul__", "add", "__add__", "__radd__"})  # the output times a factor (or plus
 # a bias: a reward head's `gain * r + bias`) of its own shape or broadcast to it
 ADDED = -5e3  # an additive mask's value at or below which a key is masked: (1 - mask) * -10000 (old GPT-2's, PanGu's)
+
+
+class RowOf(NamedTuple):
+    """One row of a followed output (handed out alone), and where it sits in it."""
+    row: int  # its batch row
+    parent: int  # id of the output it is a row of
+    rows: int  # the output's batch rows
+    head: bool  # the output is a head computed over the model's
+    offset: int = 0  # its first position among the output's (a slice of the row)
+    sliced: bool = False
 
 
 class PoolRows:
@@ -70,8 +81,7 @@ class PoolRows:
                 record = {"mask": mask, "reads": [], "what": what, "source": source, "said": said,
                           "module": type(module).__name__ if end is None else None}
                 kept.append(record)
-                key = id(hidden)
-                self._found[key] = (weakref.ref(hidden, lambda _, key=key, found=self._found: found.pop(key, None)), record)
+                self._follow(hidden, record)
             return True
         except (Exception, SystemExit):  # noqa: BLE001 - the program's output stays its own
             return False
@@ -189,7 +199,7 @@ class PoolRows:
             return
         try:
             if held[2:3] == ("row",):  # (one row of a followed output, `for row in output` or `output[i]`: its read)
-                self._read_row(name, args, given, held, out)
+                self._read_row(name, args, given, held[1], held[3], out)
                 return
             if name == "unbind" and (args[1] if len(args) > 1 else kwargs.get("dim", 0)) == 0 and isinstance(out, tuple) \
                     or name == "__getitem__" and len(args) > 1 and type(args[1]) is int and type(out) is torch.Tensor:
@@ -197,54 +207,48 @@ class PoolRows:
                 return
             if given.dim() == 4:  # ((B, 1, L, D) squeezed to (B, L, D): the same output, PanGu's `squeeze(1)`; no other
                 if name == "squeeze" and type(out) is torch.Tensor and out.dim() == 3:  # read of it is followed)
-                    key = id(out)
-                    self._found[key] = (weakref.ref(out, lambda _, key=key, found=self._found: found.pop(key, None)),
-                                        *held[1:])
+                    self._follow(out, *held[1:])
                 return
             if name in NORMS or name in SCALED:  # (a final norm over the output, or the output times its mask, position
                 # by position: the same output, CLIP's final_layer_norm, sentence-transformers' `token_embeddings *
                 if type(out) is torch.Tensor and out.shape == given.shape:  # input_mask_expanded` before their pooling)
-                    key = id(out)
-                    self._found[key] = (weakref.ref(out, lambda _, key=key, found=self._found: found.pop(key, None)),
-                                        *held[1:])
+                    self._follow(out, *held[1:])
                 return
             if name in HEADS:
                 if type(out) is torch.Tensor and out.dim() >= 2 and out.shape[:2] == given.shape[:2] \
                         and out.is_floating_point():
-                    key = id(out)
-                    self._found[key] = (weakref.ref(out, lambda _, key=key, found=self._found: found.pop(key, None)),
-                                        held[1], "head")
+                    self._follow(out, held[1], "head")
                 return
             self._read(func, args, kwargs, given, held[1], held[2:3] == ("head",))
         except (Exception, SystemExit):  # noqa: BLE001 - what the other followers read of this call is read still
             pass
+
+    def _follow(self, tensor: torch.Tensor, *held) -> None:
+        """Follow `tensor` (weakly: let go as it is freed) with what is known of it: its record, and how it was made."""
+        key = id(tensor)
+        self._found[key] = (weakref.ref(tensor, lambda _, key=key, found=self._found: found.pop(key, None)), *held)
 
     def _rows(self, given: torch.Tensor, held: tuple, out, at: int | None) -> None:
         """Each row a followed output hands out (`unbind(0)`, as iterating it does; `output[i]`) followed as its row."""
         rows = given.shape[0]
         for row, tensor in (enumerate(out) if at is None else ((at % rows, out),) if -rows <= at < rows else ()):
             if type(tensor) is torch.Tensor and tensor.shape == given.shape[1:]:
-                key = id(tensor)
-                self._found[key] = (weakref.ref(tensor, lambda _, key=key, found=self._found: found.pop(key, None)),
-                                    held[1], "row", row, id(given), rows, held[2:3] == ("head",))
+                self._follow(tensor, held[1], "row", RowOf(row, id(given), rows, held[2:3] == ("head",)))
 
-    def _read_row(self, name: str, args: tuple, row: torch.Tensor, held: tuple, out=None) -> None:
+    def _read_row(self, name: str, args: tuple, row: torch.Tensor, record: dict, of: "RowOf", out=None) -> None:
         """A row of a followed output read at one position (`row[p]`, `row[p, :]`): its pooling (repeng's `[-1, :]`);
         a slice of it (`row[start:end]`, DeepSpeed-Chat's truncated reward) followed as the row from `start` on."""
         index = args[1] if name == "__getitem__" and len(args) > 1 else None
         at = index[0] if isinstance(index, tuple) and index and all(i == slice(None) for i in index[1:]) else index
-        offset = held[7] if len(held) > 7 else 0
         if isinstance(at, slice) and at.step is None and type(out) is torch.Tensor and out.dim() == row.dim():
-            start = range(row.shape[0])[at].start if len(range(row.shape[0])[at]) else None
-            if start is not None and out.shape[0] == len(range(row.shape[0])[at]):
-                key = id(out)
-                self._found[key] = (weakref.ref(out, lambda _, key=key, found=self._found: found.pop(key, None)),
-                                    *held[1:7], offset + start)  # (its reads said `of a slice of each row`)
+            span = range(row.shape[0])[at]
+            if len(span) and out.shape[0] == len(span):  # (its reads said `of a slice of each row`)
+                self._follow(out, record, "row", of._replace(offset=of.offset + span.start, sliced=True))
         elif type(at) is int and -row.shape[0] <= at < row.shape[0]:
             self._found.pop(id(row), None)
-            how = f"[{at}] of {'a slice of ' if len(held) > 7 else ''}each row"
-            self._kept(held[1], (np.array([held[3]]), np.array([offset + at % row.shape[0]]), how), held[6], held[4],
-                       held[5])
+            how = f"[{at}] of {'a slice of ' if of.sliced else ''}each row"
+            self._kept(record, (np.array([of.row]), np.array([of.offset + at % row.shape[0]]), how), of.head, of.parent,
+                       of.rows, cell=True)
 
     def _read(self, func, args: tuple, kwargs: dict, given: torch.Tensor, record: dict, head: bool = False) -> None:
         name = getattr(func, "__name__", "")
@@ -258,13 +262,12 @@ class PoolRows:
         else:
             return
         if read is not None:  # (its pooling, read: followed no longer, so the mode is off again for the rest of the
-            self._kept(record, read, head, id(given), rows)  # program: the next model call, an embedder's loop, runs
+            self._kept(record, read, head, id(given), rows, read[2] == CELL)  # program: the next model call, an embedder's loop, runs
             # untouched until its own output)
 
-    def _kept(self, record: dict, read: tuple, head: bool, given: int, rows: int) -> None:
-        """`read` (rows, positions, how) kept on `record`; the output `given` followed no longer once it is read (a
-        row at a time: once as many rows are read as it has; a row read twice is a loop over positions, no pooling)."""
-        cell = read[2] == CELL or read[2].endswith("of each row")
+    def _kept(self, record: dict, read: tuple, head: bool, given: int, rows: int, cell: bool) -> None:
+        """`read` (rows, positions, how) kept on `record`; the output `given` followed no longer once it is read (`cell`:
+        a row at a time, once as many rows are read as it has; a row read twice is a loop over positions, no pooling)."""
         record["reads"].append({"rows": read[0], "positions": read[1], "head": head, "cell": cell,
                                 "how": read[2] + (" of a head computed over it" if head else "")})
         cells = [r for r in record["reads"] if r["cell"]]
