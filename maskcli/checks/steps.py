@@ -201,10 +201,27 @@ def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, writte
         # (some query sees a key W or more back: only then is how far back each sees counted)
         back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
         back = np.where(asking(), back, 0)
-        if (back >= window).any():
+        if (back >= window).any() and np.broadcast_to(_windowed(later, own, padded, written, window) | ~asking(), back.shape).all():
             b, h, q = first_cell(back >= window)
             return "window", b, q, int(back[b, h, q])
     return None
+
+
+def _windowed(later: np.ndarray, own: np.ndarray, padded, written, window: int) -> np.ndarray:
+    """(B, H, Lq): each query sees every key of its window (the `window` keys up to its own), or every key from its first
+    to its last one, or none (keys its prefill padded and no step `written` since aside): a window lost shows as the
+    window and more, moved as one run. A step whose queries do neither was handed keys picked one by one (DeepSeek
+    V3.2's top-k indexer: a prefill whose picks happened to be the last W keys reads as window(W)): no window lost."""
+    columns = np.arange(k_len := later.shape[-1])
+    upto = later & (columns[None, :] <= own[:, None])
+    run = (columns >= upto.argmax(axis=-1)[..., None]) & (columns <= k_len - 1 - upto[..., ::-1].argmax(axis=-1)[..., None])
+    near = (columns[None, :] <= own[:, None]) & (columns[None, :] > own[:, None] - window)
+    if padded is not None and padded.shape[0] in (1, later.shape[0]):
+        cut = np.zeros((padded.shape[0], k_len), dtype=bool)
+        cut[:, :min(k_len, padded.shape[1])] = padded[:, :k_len]
+        cut[:, [k for k in written if 0 <= k < k_len]] = False
+        run, near = run & ~cut[:, None, None, :], near & ~cut[:, None, None, :]  # (a padded key may be seen or not)
+    return ~upto.any(axis=-1) | ~(run & ~upto).any(axis=-1) | ~(near & ~later).any(axis=-1)
 
 
 def _held_after_own(later: np.ndarray, padded: np.ndarray, asking) -> bool:
