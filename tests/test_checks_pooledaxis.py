@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkbugs import check_bug, traced
+from checkbugs import BUGS, check_bug, traced
 
 POOLED = Path(__file__).parent / "data" / "pooledaxis"
 
@@ -33,3 +33,28 @@ def test_slot_attention_talking_heads_quiet(tmp_path):
     the softmaxed heads; a pooling softmaxed over the tokens it sums: none is a pooling off its softmax's axis."""
     status, found, report = traced(tmp_path, "slot_attention_talking_heads_correct", False, POOLED)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_paddlerec_mind_routing_softmax_over_the_capsules(tmp_path):
+    """PaddlePaddle/PaddleRec#904, written blind (blind-nc, caught before tuning): MIND's B2I routing masks the padded
+    history with -2**32+1, then softmaxes over the k_max = 4 interests (axis 1) and pools over the 12 history slots.
+    The fix softmaxes the routing loop's weights over the history; the softmax after the loop stays over the interests
+    as the project left it, so the fix's finding is that one call a batch (2 of the bug's 6), and true."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    flagged = []
+    for fixed in (False, True):
+        out = tmp_path / f"mind{int(fixed)}.json"
+        program = str(BUGS / "paddlerec_mind_b2i_routing_softmax_over_capsules.py")
+        result = CliRunner().invoke(app, ["trace", "--json", str(out), program, *(["--fixed"] if fixed else [])])
+        assert result.exit_code == 1, result.output
+        groups = json.loads(out.read_text())["groups"]
+        hits = [(g["calls"], f["message"]) for g in groups for f in g["findings"]
+                if f["code"] == "pooled-off-softmax-axis" and f["severity"] == "wrong"]
+        assert len(hits) == 1 and "softmaxed over axis 1 (size 4) of their (3, 4, 1, 12)" in hits[0][1], result.output
+        flagged.append(len(hits[0][0]))
+    assert flagged == [6, 2]

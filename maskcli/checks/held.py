@@ -33,7 +33,7 @@ from maskcli.checks.heldfold import folded_padding, handed_batch, over_memory, p
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.heldlengths import by_lengths
 from maskcli.checks.heldscript import script_padding
-from maskcli.checks.heldzero import zeroed_as_real
+from maskcli.checks.heldzero import own_called_padding, zeroed_as_real
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.registry import Rule
 from maskcli.checks.tiled import batch_part
@@ -366,9 +366,10 @@ def held_inverted(run: Run) -> list:
                             break
                     else:
                         continue
-                    if after_every_query(call, run, real[padded], at) or zeroed_as_real(call, real, padded, at):
+                    if after_every_query(call, run, real[padded], at) or zeroed_as_real(call, real, padded, at) \
+                            or own_called_padding(run, call, real, padded, at):
                         continue  # (the complement is then causality itself: it says nothing of which way round;
-                        # or the keys it calls real are those the program zeroed in K: heldzero.py)
+                        # or those it calls real the program zeroed in K; or a decode's own token padding: heldzero.py)
                     b = int(np.flatnonzero(padded)[0])
                     k = int(np.flatnonzero(~real[b])[0]) + at
                     said = f"{held['name']} in {held['where']}"

@@ -5,6 +5,10 @@ A padding mask named as padding (`padding_mask`: True = padding by name) may hol
 program zeroed in K before the call (Dia's `k.masked_fill(~padding_mask, 0)`), the program states the other reading:
 its mask is a keep mask, and a kernel that keeps those keys' complement keeps its real keys (held.py's
 padding-only-attended is quiet then).
+
+So does a decode step behind a cache: the token it feeds is real, so a reading that calls every padded row's own
+query key padding is not the program's (mesh-transformer-jax's GPT-J decode: `attention_mask = arange(length) <
+masked_tokens`, True at the left padding its bias fills, read by its name as True = real).
 """
 
 from __future__ import annotations
@@ -20,3 +24,19 @@ def zeroed_as_real(call, real: np.ndarray, padded: np.ndarray, at: int) -> bool:
         return False
     zero = np.broadcast_to(zero, (real.shape[0], zero.shape[1]))[:, at:at + real.shape[1]]
     return zero.shape == real.shape and bool(np.array_equal(zero[padded], real[padded]))
+
+
+def own_called_padding(run, call, real: np.ndarray, padded: np.ndarray, at: int) -> bool:
+    """Whether the call is a step behind a cache (fewer queries than keys, its keys' columns positions, after a pass of
+    more queries at its site) whose queries' own keys `real` (bool (rows, n), the keys from `at` on) calls padding in
+    every padded row: the reading turned. (A first call of one query over more keys is no step: Star-Transformer's
+    relay node, its own key first.)"""
+    q_len, k_len = call.shape[2:]
+    if q_len >= k_len or not padded.any() or call.step == 0 or \
+            not any(c.index < call.index and c.shape[2] > q_len for c in run.sites().get(call.where, ())):
+        return False
+    _, own, positions = run.placed(call)
+    columns = np.asarray(own) - at
+    if not positions or not len(columns) or columns.min() < 0 or columns.max() >= real.shape[1]:
+        return False
+    return not real[padded][:, columns].any()

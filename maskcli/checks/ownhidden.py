@@ -15,7 +15,9 @@ queries' places are known: as many queries as keys, positions the run states, or
 attending query sees (a memory or sink prefix), or keys that end with the queries' own (a cache, a segment's memory);
 never on cross-attention, nor where the cells read as hidden are hidden by other scores, not a mask (graphormer-pyg's
 fix multiplying the scores by -1e6, which lifts the negative ones: trace/finitefill.py's `scores_hide`), and only over
-own keys some query sees (a padding query's own key is hidden from all).
+own keys some query sees (a padding query's own key is hidden from all). Quiet behind a cache where every attending
+query sees the key a fixed d before the position the run states for it: the positions count from d (OPT's learned
+positions from pad + 1 over cache slots from 0), the mask keeps to the tokens.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def _read(call, top, folded: np.ndarray, cached: bool) -> Finding | None:
         ahead = folded[:, :, :k_len - q_len]  # (keys before the queries: placed there only where every attending
         if not (ahead.all(axis=-1) | ~attending).all():  # query sees them, a memory or sink prefix)
             return None
+    if q_len < k_len and _numbered_from(folded, own, attending):
+        return None  # (the positions stated number the tokens from elsewhere: OPT's and fairseq's from pad + 1)
     with_own = folded.copy()
     with_own[:, np.arange(q_len), own] = True
     starts = (with_own[:, :, 1:] & ~with_own[:, :, :-1]).sum(axis=-1) + with_own[:, :, 0]
@@ -79,6 +83,20 @@ def _read(call, top, folded: np.ndarray, cached: bool) -> Finding | None:
         f"laid off the tokens, read the other way round (True = masked handed where True = attend is read?) or its key "
         f"positions shifted"), expected="each query sees its own token", source="a self-attention's own keys",
         cell=(b, q, int(own[q])))
+
+
+def _numbered_from(folded: np.ndarray, own: np.ndarray, attending: np.ndarray) -> bool:
+    """Every attending query sees the key `d` before the one its stated position names, for one d >= 1 (the first such
+    query's last key seen before its position sets d): the mask keeps to the tokens, whose stated positions count from
+    d (alpa's OPT: `cumsum(mask) * mask + padding_idx`, the first token at position 2 and cache slot 0)."""
+    b, q = (int(i) for i in np.argwhere(attending)[0])
+    before = np.flatnonzero(folded[b, q, :own[q]])
+    if not len(before):
+        return False
+    shifted = own - (int(own[q]) - int(before[-1]))
+    if shifted.min() < 0:
+        return False
+    return bool((folded[:, np.arange(len(own)), shifted] | ~attending).all())
 
 
 def _runs(keys: np.ndarray) -> str:

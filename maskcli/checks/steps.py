@@ -118,8 +118,8 @@ def sites(run: Run) -> list:
                 adopted = _layer_prefill(run, where, call, own)
                 if adopted is not None:
                     head, shown, done, regrouped = adopted, prefill_once(run, adopted, run.top(adopted)), set(), False
-            if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not positions:
-                continue
+            if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not positions or own[-1] < head.shape[2]:
+                continue  # (queries at the prefill's own positions continue nothing: a buffer rolled under them, GPT-J's)
             written.update(own.tolist())  # (each step's queries write their slots: not the prefill's padding since)
             # (a step over another number of rows regrouped the batch, TGI's concatenate and filter: from then on a row
             # and its cache columns are not the prefill's, even where the count comes back)
