@@ -36,6 +36,9 @@ BUGS = [
     # mask with -1e9 on the real T5 tokens (True == +1) and adds it: the padded keys are never masked, at a cross-attention
     # site that masks nowhere else
     ("opendit_stdit_cross_attention_bool_mask_adds_one_to_valid_tokens", "bool-added"),
+    # NVIDIA-NeMo/Automodel#2116 (commit 2afd94eed; blind-ne, caught before tuning): Gemma 4 neat packing hands the
+    # collator's bool 4-D block-causal mask through create_causal_mask unchanged, and eager attention adds it (+1 / +0)
+    ("automodel_gemma4_neat_packing_bool_4d_mask_added_eager", "bool-added"),
 ]
 
 

@@ -22,6 +22,9 @@ BUGS = [
     # sgl-project/sglang#33601: an ENCODER_ONLY RadixAttention's sliding_window_size = 2 (|q - k| <= 2) handed on only
     # if causal: the local layers attend every key
     ("sglang_torch_native_encoder_sliding_window_gated_on_causal", "window-dropped"),
+    # PrimeIntellect-ai/prime-rl#2352 / #2417 (blind-nf, caught before tuning): the ring-attention path writes the window
+    # only under `window_size`, and FA3's forward names it window_size_left / _right: every rank attends causal
+    ("prime_rl_ring_fa3_varlen_window_size_key_dropped", "window-dropped"),
     # allenai/OLMo-core#388: a mask cache keyed without the window hands layer 1 (window_size=(4, 0)) layer 0's window(2)
     ("olmo_core_torch_backend_window_mask_cache_key_no_window", "window-narrower"),
     # NVIDIA/TransformerEngine#1212: window_size=(2, 0) handed unchanged to cuDNN, whose left bound is exclusive

@@ -134,7 +134,7 @@ def masked_somewhere(call) -> bool:
 
 
 CROSS_WORDS = re.compile(r"encoder_?attn|encdecattention|cross_?attn|cross_?attention|crossattention|multihead_attn|src_attn"
-                         r"|cross_?atts?(?![a-z])"  # (`cross_att`, a list of them `cross_atts`: bert4keras ports)
+                         r"|cross_?atts?(?![a-z])|src_?(?:trg|tgt)_?att"  # (`cross_atts`: bert4keras; JoeyNMT's `src_trg_att`)
                          r"|enc_?dec_?att(?:n|ention)|encoder_decoder_attention|context_attn|dec[\w.]*[._]enc_?attn(?![a-z])"
                          r"|(?<![a-z0-9])x_?att(?:n|ention)", re.IGNORECASE)  # (Flamingo's `gated_xattn`; not flex_attn)
 
@@ -167,7 +167,7 @@ def crossing(call) -> Crossing:
       (or ending with them): self;
     - MHA handed another tensor as its keys, as many or not as its queries: cross where their lengths differ;
     - the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's `crossattention`,
-      nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`, Flamingo's `xattn`) or the
+      nn.TransformerDecoderLayer's `multihead_attn`, `src_attn`, JoeyNMT's `src_trg_att`, Flamingo's `xattn`) or the
       class name: cross, whatever the lengths (a Perceiver's latents may be as many as its frames);
     - more queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries'
       own): cross. Equal lengths alone say nothing either way."""
