@@ -36,7 +36,7 @@ def own_called_padding(run, call, real: np.ndarray, padded: np.ndarray, at: int)
             not any(c.index < call.index and c.shape[2] > q_len for c in run.sites().get(call.where, ())):
         return False
     _, own, positions = run.placed(call)
-    columns = np.asarray(own) - at
+    columns = own - at
     if not positions or not len(columns) or columns.min() < 0 or columns.max() >= real.shape[1]:
         return False
     return not real[padded][:, columns].any()

@@ -213,9 +213,9 @@ def _windowed(later: np.ndarray, own: np.ndarray, padded, written, window: int) 
     window and more, moved as one run. A step whose queries do neither was handed keys picked one by one (DeepSeek
     V3.2's top-k indexer: a prefill whose picks happened to be the last W keys reads as window(W)): no window lost."""
     columns = np.arange(k_len := later.shape[-1])
-    upto = later & (columns[None, :] <= own[:, None])
+    upto = later & (before := columns[None, :] <= own[:, None])  # (Lq, Lk): the keys up to each query's own
     run = (columns >= upto.argmax(axis=-1)[..., None]) & (columns <= k_len - 1 - upto[..., ::-1].argmax(axis=-1)[..., None])
-    near = (columns[None, :] <= own[:, None]) & (columns[None, :] > own[:, None] - window)
+    near = before & (columns[None, :] > own[:, None] - window)
     if padded is not None and padded.shape[0] in (1, later.shape[0]):
         cut = np.zeros((padded.shape[0], k_len), dtype=bool)
         cut[:, :min(k_len, padded.shape[1])] = padded[:, :k_len]

@@ -47,6 +47,13 @@ def _cached_step(call, own: np.ndarray) -> bool:
     return cells is not None and bool(cells[..., :k_len - q_len].any())
 
 
+def _numbering(call) -> dict | None:
+    """The positions a program frame numbers the call's queries by, one row for the batch (the `position` a decoder hands
+    its RoPE: trace/positionsat.py's query_positions), else None."""
+    held = call.details.get("query_positions")
+    return held if held is not None and held["rows"].shape == (1, call.shape[2]) else None
+
+
 def _alone_then(before, own: np.ndarray) -> bool:
     """The first pass held the step's positions as queries, and in some batch row (head) they saw keys of the step's
     own span and none outside it (a packed document, or a left-padded row's real tokens, run again alone at their
@@ -70,9 +77,8 @@ def uncached(run: Run) -> list:
         before = None
         for call in sorted(calls, key=lambda c: c.index):
             top, own, _ = run.placed(call)
-            held = call.details.get("query_positions")  # (a program frame's own numbering, one row for the batch: the
-            held = held if held is not None and held["rows"].shape == (1, call.shape[2]) else None  # `position` a
-            own = own if held is None else held["rows"][0]  # decoder hands its RoPE, trace/positionsat.py)
+            held = _numbering(call)
+            own = own if held is None else held["rows"][0]
             q_len, k_len = call.shape[2:]
             if _first_pass(call, own) or held is not None and _cached_step(call, own):  # (a step's numbering read,
                 # not placed at its keys' end: its own stated positions say it attends back)

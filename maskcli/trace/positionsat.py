@@ -164,20 +164,19 @@ def note(details: dict, walked, shape: tuple) -> None:
         return
     batch, q_len = int(shape[0]), int(shape[2])
     for frame, embedded in _frames(walked):
-        variables = frame.f_locals
+        variables, code = frame.f_locals, frame.f_code
         if "k_cache" in variables and type(variables.get("cache_seqlens")) is torch.Tensor:
             rows = _appended(variables, batch, q_len)  # (flash_attn_with_kvcache's arguments, or a stand-in's)
             if rows is not None:
-                code = frame.f_code
                 details["query_positions"] = {"rows": rows, "name": "cache_seqlens", "embedded": False,
                                              "unhanded": False, "function": getattr(code, "co_qualname", code.co_name)}
                 return
-        handed = frame.f_code.co_varnames[:frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]
+        handed = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
         start = next(((name, variables[name]) for name in STARTS if name in handed and type(variables.get(name)) is int
                       and 0 <= variables[name] < 1 << 40), None)  # (a parameter the function was handed, no loop's)
         if start is not None and not any(type(variables.get(name)) is torch.Tensor for name in NAMES):
-            code = frame.f_code  # (Meta llama's `start_pos`, a decoder's `position` handed to its RoPE: the queries
-            details["query_positions"] = {  # run on from it, one row for the batch)
+            # (Meta llama's `start_pos`, a decoder's `position` handed to its RoPE: the queries run on from it, one row)
+            details["query_positions"] = {
                 "rows": start[1] + np.arange(q_len, dtype=np.int64)[None, :], "name": start[0], "embedded": embedded,
                 "unhanded": False, "function": getattr(code, "co_qualname", code.co_name)}
             return
@@ -189,7 +188,6 @@ def note(details: dict, walked, shape: tuple) -> None:
                 return  # (2-D or multimodal positions held beside it, ChatGLM's (B, 2, L): no one numbering to read)
             rows = _rows(held, batch, q_len)
             if rows is not None:
-                code = frame.f_code
                 unhanded = embedded and _unhanded(*_outer(walked), walked)
                 details["query_positions"] = {"rows": rows, "name": name, "embedded": embedded,
                                              "unhanded": bool(unhanded),
