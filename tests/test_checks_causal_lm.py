@@ -163,3 +163,45 @@ def test_blocks_behind_a_cache_each_as_large_as_the_first_pass_are_quiet(tmp_pat
                                    Path(__file__).parent / "data" / "causallm")
     assert status == 0 and not [f for f in found if f["code"] == "causal-lm-both-ways"], report
     assert "every block matches one block-causal pass" in report
+
+
+def test_a_layer_whose_forward_builds_its_triangle_only_where_it_has_no_cache(tmp_path):
+    """alpa-projects/alpa#608 (7356392b; written blind, blind-nb, missed until round 80): OPTSelfAttention's forward
+    builds `triu(full(-1e10), 1)` under `if attention_cache is None`, and its cached branch a bias over the cache's
+    slots that hides only those not written yet, so the prompt run through the preallocated cache attends both ways.
+    The forward's own branch for no cache states the layer causal (trace/cachebranch.py), and the prompt fills the
+    static cache's first 9 of 32 slots. Written another way: a growing `torch.cat` cache, SDPA, the triangle a `tril`
+    under `if layer_past is None`, every request started with an empty cache tuple. Both fixes are quiet."""
+    hit = check_bug(tmp_path, "alpa_opt_serving_cached_prompt_bias_not_causal", "causal-lm-both-ways",
+                    Path(__file__).parent / "data" / "blind")[0]
+    assert "OPTSelfAttention.forward builds a causal mask (torch.triu at line 98" in hit["message"]
+    assert "where attention_cache is None" in hit["source"]
+    assert tuple(hit["cell"]) == first((1, 9, 9), lambda b, q, k: k > q)
+    status, found, report = traced(tmp_path, "cached_prompt_pass_mask_only_in_uncached_branch", False,
+                                   Path(__file__).parent / "data" / "causallm")
+    hit = next(f for f in found if f["code"] == "causal-lm-both-ways")
+    assert status == 1 and hit["severity"] == "wrong" and "where layer_past is None" in hit["message"], report
+    assert tuple(hit["cell"]) == first((1, 7, 7), lambda b, q, k: k > q)
+    status, found, report = traced(tmp_path, "cached_prompt_pass_mask_only_in_uncached_branch", True,
+                                   Path(__file__).parent / "data" / "causallm")
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_the_branch_for_no_cache_is_read_only_where_a_parameter_named_like_a_cache_picks_it():
+    """trace/cachebranch.py's reading of a forward's ifs: the triangle's branch and the parameter that picks it."""
+    from maskcli.trace.cachebranch import _branches
+
+    def forward(self, x, past_key_value=None, causal=True):  # noqa: ARG001 - read, not run
+        if past_key_value is None:
+            mask = torch.triu(torch.ones(3, 3), diagonal=1)
+        else:
+            mask = None
+        if causal:
+            mask = torch.tril(torch.ones(3, 3))
+        if not past_key_value:
+            other = torch.tril(x, -1)  # (not a causal triangle: below the diagonal only)
+        return mask, other
+
+    [(name, when_none, line, shown)] = _branches(forward.__code__)
+    assert (name, when_none, shown) == ("past_key_value", True, "torch.triu")
+    assert line == forward.__code__.co_firstlineno + 2

@@ -335,3 +335,30 @@ def test_paligemma_text_queries_run_causal_padded_and_both_ways_alone(tmp_path):
     assert len(said) == 2 and all("a causal mask on this batch shape only" in f["message"] for f in said), report
     gaps = [float(line.rsplit(" ", 1)[1]) for line in report.splitlines() if "padded in the batch vs alone" in line]
     assert len(gaps) == 2 and min(gaps) > 0.1, report  # (the two readings of one query differ, as the finding says)
+
+
+def test_tfts_informer_decoder_handed_no_mask_beside_a_causal_mask_class(tmp_path):
+    """LongxingTan/Time-series-prediction#33 (1e3651a; written blind, blind-ni, missed before tuning): Informer's
+    decoder self-attention was called with x_mask=None, though the module defines `CausalMask` (a class, as a
+    TensorFlow port writes a builder: trace/builders.py reads its CamelCase name). Every forecast step sees the later
+    ones. The project's fix multiplies the scores by that 0/1 mask (`score * mask`), which hides nothing: both findings
+    on it are true (ones-multiplied, and the decoder still sees later steps), so it is checked finding by finding."""
+    name = "tfts_informer_decoder_self_attention_no_causal_mask"
+    status, found, report = traced(tmp_path, name, False, BLIND)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "decoder-mask-not-causal")
+    assert hit["severity"] == "wrong" and "CausalMask() beside DecoderLayer" in hit["source"], report
+    assert tuple(hit["cell"]) == first((2, 7, 7), lambda b, q, k: k > q)
+    assert "decoder.layers.0.attn1" in hit["message"] and "attn2" not in hit["message"]
+    status, found, report = traced(tmp_path, name, True, BLIND)
+    assert {f["code"] for f in found if f["severity"] == "wrong"} == {"decoder-mask-not-causal", "ones-multiplied"}, \
+        report
+
+
+def test_a_lookahead_mask_class_beside_the_decoder_never_handed_to_it(tmp_path):
+    """Written another way than tfts#33: an encoder-decoder of the program's own, `LookAheadMask(T).mask` a class at
+    module level, the decoder's self-attention handed mask=None (masked_fill only where a mask is given). The fix
+    (the class's mask handed to each decoder layer) is quiet."""
+    hit = check_bug(tmp_path, "decoder_lookahead_mask_class_never_passed", "decoder-mask-not-causal", DIRECTIONS)[0]
+    assert "LookAheadMask() beside" in hit["source"] and "self_attn" in hit["message"]
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: k > q)

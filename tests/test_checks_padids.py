@@ -12,9 +12,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import maskcli
-from checkbugs import check_bug, first, traced as traced_program
+from checkbugs import caught, check_bug, first, traced as traced_program
 from maskcli.checks.padids import id_padding
 from maskcli.checks.registry import severity
+
+BLIND = Path(__file__).parent / "data" / "blind"
 
 PADIDS = Path(__file__).parent / "data" / "padids"
 
@@ -255,3 +257,25 @@ def test_an_eos_that_pads_kept_once_after_each_text_is_no_unmasked_padding(tmp_p
     assert status == 0, report
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert "causal (--lengths 7,4,5)" in report, report
+
+
+def test_x_transformers_seq_start_pos_never_reaching_self_attention(tmp_path):
+    """lucidrains/x-transformers#187 (cb50439; written blind, blind-nh, missed before tuning): generate left-pads the
+    prompts and hands `seq_start_pos = t - prompt_lens` to every call, but self-attention read `mask` (None) instead of
+    the left-pad mask built from it. The 1-D tensor `seq_start_pos` is each row's left padding (trace/held.py): the
+    short row's real queries see its pad keys at the prefill and at every decode step. The fix is quiet."""
+    hits = check_bug(tmp_path, "x_transformers_left_pad_kv_mask_unused_by_self_attention", "left-padding-attended",
+                     BLIND)
+    start = [0, 4]  # t - prompt_lens: 8 - [8, 4]
+    assert tuple(hits[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k <= q and q >= start[b] > k)
+    assert "seq_start_pos" in hits[0]["source"]
+
+
+def test_seq_start_pos_written_another_way_padding_dropped_at_decode_only(tmp_path):
+    """Written another way: a GPT of the program's own over a hand-kept (k, v) cache, SDPA with a bool mask, three
+    left-padded prompts, `seq_start_pos` handed to every call but the padding part built only where the call has no
+    cache or several queries: every decode step's real query sees its row's pad keys. The fix is quiet."""
+    hit = caught(tmp_path, "left_pad_seq_start_pos_dropped_at_cached_decode", ("left-padding-attended",))
+    start = [0, 4, 2]  # 7 - [7, 3, 5]
+    b, q, k = hit["cell"]  # (the first decode step's one query row: q is its row in the call)
+    assert k < start[b] and q == 0 and "seq_start_pos" in hit["source"] and f"batch row {b}: query 7 " in hit["message"]

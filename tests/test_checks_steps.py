@@ -492,3 +492,22 @@ def test_a_new_requests_chunk_over_reused_pages_is_placed_by_its_cache_seqlens(t
     assert status == 0, report
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert "(1,2,2,8)" in report.replace("\n", "").replace(" ", ""), report
+
+
+def test_a_static_cache_read_through_a_softmax_places_its_steps_before_the_unwritten_slots(tmp_path):
+    """google-deepmind/gemma's gm Attention over a static cache (`end_index % cache_size`), through the program's own
+    softmax: no K and V are read, so a decode step's query is placed at the keys' end by guess, in the slots nothing
+    wrote yet. Its window is read from the last key each query sees (its own): the correct program (quiet-r80a, written
+    blind: window-lost said "query 11 sees 7 keys back" before) is quiet, and the same cache whose local layers drop
+    the sliding mask at decode is flagged at the query's real slot, 7 (the 7-token prompt's first decode step)."""
+    status, found, report = traced(tmp_path, "quiet_gemma_gm_sliding_mask_cache_positions_left_padded", False,
+                                   Path(__file__).parent / "data" / "quiet_blind")
+    assert status == 0 and "window-lost" not in [f["code"] for f in found], report
+    folder = Path(__file__).parent / "data" / "staticbuf"
+    name = "gemma_static_softmax_cache_window_dropped_at_decode"
+    status, found, report = traced(tmp_path, name, False, folder)
+    hits = [f for f in found if f["code"] == "window-lost"]
+    assert status == 1 and hits and hits[0]["severity"] == "wrong", report
+    assert tuple(hits[0]["cell"]) == (0, 7, 0) and "query 7 sees 8 keys back" in hits[0]["message"], report
+    status, found, report = traced(tmp_path, name, True, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

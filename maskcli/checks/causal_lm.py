@@ -38,12 +38,21 @@ def _prompt(run: Run, call, top, own: bool = False) -> bool:
     `own`: the attending layer names itself causal, so a model call given no token ids (a time series' float
     features, lag-llama's) is read too; where it is given ids, the keys must still be as many."""
     q_len, k_len = call.shape[2:]
-    if q_len != k_len or q_len < 2 or int(queries(call, top)[0]) != 0:
-        return False
+    if q_len > k_len or q_len < 2 or (not _unwritten_after(call, q_len) if q_len < k_len else int(queries(call, top)[0]) != 0):
+        return False  # (a static cache's prompt fills its first slots, whatever its position ids count from: OPT's pad + 1)
     tokens = next((top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray)), None)
     if tokens is None and own and "first_ids" not in top.arguments:
         return True
-    return tokens is not None and tokens.ndim == 2 and tokens.shape[1] == k_len
+    if tokens is None and own:
+        tokens = top.arguments["first_ids"][1]  # (a hand-written forward(self, ids, ...)'s first argument)
+    return tokens is not None and tokens.ndim == 2 and tokens.shape[1] == q_len
+
+
+def _unwritten_after(call, q_len: int) -> bool:
+    """A prompt pass into a static cache (fewer queries than keys): no query of any row or head keeps a key past the
+    first q_len, the buffer's slots for later tokens (alpa's OPT serving cache); the prompt wrote those first slots."""
+    cells = keep(call)
+    return cells is not None and not cells[..., q_len:].any()
 
 
 def _encoder(config, call) -> bool:
@@ -81,6 +90,12 @@ def both_ways(run: Run) -> list:
         named = next((call.details["function_causal"] for call in calls[1:] if "function_causal" in call.details
                       and call.shape[2] < call.shape[3]), None) if "function_causal" not in first.details else None
         named = named or first.details.get("class_causal")  # (the layer's class: `CausalSelfAttention`)
+        if named is None:  # (a layer whose forward builds the triangle where it has no cache: its first call handed one)
+            at = next((n for n, call in enumerate(calls) if call.shape[2] >= 2 and "cache_branch_causal" in call.details), 0)
+            first, calls = calls[at], calls[at:]
+            top = run.top(first)
+        branch = first.details.get("cache_branch_causal") if named is None else None  # (its forward's branch for no cache)
+        named = named or branch
         if top is None or "causal_lm" not in top.arguments and named is None or first.stored is None:
             continue  # (most runs: no model that names itself a causal LM, no decode step through a causal function)
         if any(name in top.arguments for name in (*SPANS, *PREFIX, *IMAGES)) \
@@ -98,20 +113,23 @@ def both_ways(run: Run) -> list:
         if read is None:
             continue
         rows, real, judged = read
-        later = np.arange(k_len)[None, None, :] > np.arange(k_len)[None, :, None]
+        q_len = first.shape[2]
+        rows, judged = rows[..., :q_len], judged[..., :q_len]  # (a static cache's slots past the prompt: seen by none)
+        later = np.arange(q_len)[None, None, :] > np.arange(q_len)[None, :, None]
         if not judged.any() or (judged & ~rows).any() or not (judged & later).any():
             continue
         b, q, k = first_cell(rows & judged & later)
         classed = named is not None and named == first.details.get("class_causal")
         said = f"{top.arguments['causal_lm']} states a causal LM" if "causal_lm" in top.arguments else \
             f"its attention module's class {named} states the layer causal" if classed else \
-            f"its decode steps attend through {named}"
+            f"{branch}, and this call was handed one" if named is branch else f"its decode steps attend through {named}"
         found.append((first, Finding("causal-lm-both-ways", (
             f"{said}, but its prompt pass attends both ways: every real query "
             f"sees every real key (query {q} of batch row {b} sees later key {k}; {int((rows & judged & later).sum())} "
             f"such cells), and later steps decode over the cache it wrote (step {first.step})"),
             expected="causal", source=f"the model class {top.arguments['causal_lm']}" if "causal_lm" in top.arguments
-            else f"the class {named} of {first.where}" if classed else f"{named} at {first.where}'s decode steps",
+            else f"the class {named} of {first.where}" if classed else branch if named is branch
+            else f"{named} at {first.where}'s decode steps",
             cell=(b, q, k))))
     return found
 

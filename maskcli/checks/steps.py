@@ -19,6 +19,7 @@ from maskcli.checks.context import (Run, columns_are_positions, cross, equals, f
 from maskcli.checks.directions import pass_directions, read_directions
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
+from maskcli.checks.stepcells import held_after_own, placed_past_written, reaches_back, windowed
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -132,7 +133,8 @@ def sites(run: Run) -> list:
             verdict = (id(shown), call.mask, call.shape, id(later_top), own.tobytes(), len(written), max(written), regrouped)
             if verdict not in judged:
                 padded, window = shown
-                judged[verdict] = _judge(call, later_top, later, own, None if regrouped else padded, window, written)
+                judged[verdict] = _judge(call, later_top, later, own, None if regrouped else padded, window, written,
+                                         head.shape[2])
             said = judged[verdict]
             if said is None:
                 continue
@@ -145,12 +147,12 @@ def sites(run: Run) -> list:
                     expected=f"the key padding of step {head.step}", source=f"{head.where} at step {head.step}",
                     cell=(b, int(own[q]), k))))
             else:
-                b, q, back = said[1:]
+                b, at, back = said[1:]
                 found.append((call, Finding("window-lost", (
-                    f"step {head.step} of {head.where} is window({window}), but at step {call.step} query {int(own[q])} "
+                    f"step {head.step} of {head.where} is window({window}), but at step {call.step} query {at} "
                     f"{'' if head.where == where else f'of {where} '}sees {back + 1} keys back: the window is lost "
                     f"behind the cache"), expected=f"window({window})", source=f"{head.where} at step {head.step}",
-                    cell=(b, int(own[q]), int(own[q] - back)))))
+                    cell=(b, at, at - back))))
     return found
 
 
@@ -174,11 +176,13 @@ def _layer_prefill(run: Run, where: str, call, own: np.ndarray):
     return found
 
 
-def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, written: set = frozenset()) -> tuple | None:
+def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, written: set = frozenset(),
+           written_from: int = 0) -> tuple | None:
     """("padding", b, q, k) where a decode step's real query sees a key its prefill padded, else ("window", b, q, keys
     back less 1) where one sees further back than the prefill's window, else None. `written`: the positions the site's
     steps since the prefill placed their queries at, whose slots they wrote (KerasHub's sampler generates from the
-    shortest prompt's end, into the longer rows' padded slots): no padding of the prefill's there any more."""
+    shortest prompt's end, into the longer rows' padded slots): no padding of the prefill's there any more. `written_from`:
+    the prefill's own slots end there (its queries count)."""
     asking = _Asking(call, top, later, max(later.shape[0], call.shape[0]))  # its real queries, resolved where a rule would speak
     if padded is not None and later.shape[0] in (1, padded.shape[0]) and call.shape[0] in (1, padded.shape[0]):
         # (a step over another number of batch rows is another batch: its rows are not the prefill's)
@@ -194,60 +198,20 @@ def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, writte
             bad[..., at] = False
         if bad.any():
             bad = bad & asking()[..., None]
-        if bad.any() and not _held_after_own(later, padded, asking):
+        if bad.any() and not held_after_own(later, padded, asking):
             b, h, q, k = first_cell(bad)
             return "padding", b, q, k
-    if window is not None and _reaches_back(call, later, own, window):
+    if window is not None and reaches_back(call, later, own, window):
         # (some query sees a key W or more back: only then is how far back each sees counted)
-        back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
+        at = np.broadcast_to(own[None, None, :], later.shape[:-1])
+        if placed_past_written(later, own, asking(), written_from, set(written) - set(own.tolist())):
+            at = later.shape[-1] - 1 - later[..., ::-1].argmax(axis=-1)  # (each query at the last key it sees: its own)
+        back = at - np.where(later.any(axis=-1), later.argmax(axis=-1), at)
         back = np.where(asking(), back, 0)
-        if (back >= window).any() and np.broadcast_to(_windowed(later, own, padded, written, window) | ~asking(), back.shape).all():
+        if (back >= window).any() and np.broadcast_to(windowed(later, own, padded, written, window) | ~asking(), back.shape).all():
             b, h, q = first_cell(back >= window)
-            return "window", b, q, int(back[b, h, q])
+            return "window", b, int(at[b, h, q]), int(back[b, h, q])
     return None
-
-
-def _windowed(later: np.ndarray, own: np.ndarray, padded, written, window: int) -> np.ndarray:
-    """(B, H, Lq): each query sees every key of its window (the `window` keys up to its own), or every key from its first
-    to its last one, or none (keys its prefill padded and no step `written` since aside): a window lost shows as the
-    window and more, moved as one run. A step whose queries do neither was handed keys picked one by one (DeepSeek
-    V3.2's top-k indexer: a prefill whose picks happened to be the last W keys reads as window(W)): no window lost."""
-    columns = np.arange(k_len := later.shape[-1])
-    upto = later & (before := columns[None, :] <= own[:, None])  # (Lq, Lk): the keys up to each query's own
-    run = (columns >= upto.argmax(axis=-1)[..., None]) & (columns <= k_len - 1 - upto[..., ::-1].argmax(axis=-1)[..., None])
-    near = before & (columns[None, :] > own[:, None] - window)
-    if padded is not None and padded.shape[0] in (1, later.shape[0]):
-        cut = np.zeros((padded.shape[0], k_len), dtype=bool)
-        cut[:, :min(k_len, padded.shape[1])] = padded[:, :k_len]
-        cut[:, [k for k in written if 0 <= k < k_len]] = False
-        run, near = run & ~cut[:, None, None, :], near & ~cut[:, None, None, :]  # (a padded key may be seen or not)
-    return ~upto.any(axis=-1) | ~(run & ~upto).any(axis=-1) | ~(near & ~later).any(axis=-1)
-
-
-def _held_after_own(later: np.ndarray, padded: np.ndarray, asking) -> bool:
-    """The step's keys are its own Lq then the cache's (torch.cat([new, cached]): pi0/pi05's action expert over a
-    cached prefix), and there every real query of the step hides every key its prefill padded, and sees some key of
-    its own block: the padding is held, at columns Lq on, not lost. A step that lost its padding sees the padded
-    keys under either reading (nothing hidden), so it is still found."""
-    q_len, width = later.shape[-2], padded.shape[1]
-    if later.shape[-1] < q_len + width:
-        return False
-    real = asking()[..., None]  # (B, 1, Lq, 1)
-    shifted = later[..., q_len:q_len + width] & padded[:, None, None, :] & real
-    if shifted.any():
-        return False
-    own = later[..., :q_len].any(axis=-1)  # (B, H, Lq): a real query sees some key of the step's own
-    return bool(np.broadcast_to(own | ~real[..., 0], own.shape).all())
-
-
-def _reaches_back(call, later: np.ndarray, own: np.ndarray, window: int) -> bool:
-    """Some query of the step sees a key `window` or more back: read off the stored runs' starts where it keeps one run
-    a row (no pass over the cells), else off the cells."""
-    found = runs(call.stored, later.shape[-1])
-    if found is None:
-        return bool((later & (np.arange(later.shape[-1]) <= own[:, None] - window)).any())
-    starts, ends = found
-    return bool(((starts < ends) & (starts <= own - window)).any())
 
 
 def alignment(run: Run) -> list:

@@ -11,6 +11,7 @@ hint torch's own modules and Keras's ports may pass beside a causal mask of thei
 
 from __future__ import annotations
 
+import maskcli.trace.cachebranch as cachebranch
 import maskcli.trace.causalnone as causalnone
 from maskcli.trace.forwardflag import forward_frame
 
@@ -20,10 +21,12 @@ NAMES = ("mask", "causal")  # words of a parameter that may carry the word
 def note(details: dict, stack: list, walked) -> None:
     """details["forward_word"] = (class, parameter, string or None) of the innermost running module, where one of its
     forward's parameters named like NAMES was handed a string (or None, in a forward that takes such a string);
-    also the causal mask the same frames hold as None (trace/causalnone.py)."""
+    also the causal mask the same frames hold as None (trace/causalnone.py), and the causal triangle its forward builds
+    in its branch for no cache where this call was handed one (trace/cachebranch.py)."""
     if not stack or walked is None:
         return
     causalnone.note(details, stack, walked)
+    cachebranch.note(details, stack, walked)  # (a causal triangle in the forward's branch for no cache)
     module = stack[-1]
     if type(module).__module__.startswith("torch."):
         return  # (torch's own modules take tensors and bool hints)

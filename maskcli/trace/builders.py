@@ -76,9 +76,21 @@ def _builders(cls) -> tuple:
         return ()
     names = [key for klass in cls.__mro__ if klass.__module__ == cls.__module__ for key in vars(klass)
              if BUILDER.fullmatch(key) and callable(vars(klass)[key])]
-    names += [key for key, value in getattr(forward, "__globals__", {}).items() if BUILDER.fullmatch(key)
-              and callable(value) and not isinstance(value, type)]
+    names += [key for key, value in getattr(forward, "__globals__", {}).items() if _builder(key, value)]
     return (names[0], os.path.basename(code.co_filename)) if names else ()
+
+
+def _builder(name: str, value) -> bool:
+    """A module global that builds a causal mask: a function named as one (`subsequent_mask`), or a class of the
+    program's own named so in CamelCase (tfts' `CausalMask(B, L).mask`, a TensorFlow port's)."""
+    if isinstance(value, type):
+        return _own_class(value) and BUILDER.fullmatch("_".join(WORDS.findall(name))) is not None
+    return callable(value) and BUILDER.fullmatch(name) is not None
+
+
+def _own_class(cls) -> bool:
+    init = getattr(vars(cls).get("__init__"), "__code__", None)
+    return init is not None and _own(init.co_filename)
 
 
 STOP = False  # an encoder, or a decoder that names itself not autoregressive: no decoder around it speaks for it
@@ -104,8 +116,7 @@ def _of_class(cls) -> str | None:
     names = [key for klass in cls.__mro__ if klass.__module__ == cls.__module__ for key in vars(klass)
              if BUILDER.fullmatch(key) and callable(vars(klass)[key])]
     held = getattr(forward, "__globals__", {})
-    names += [key for key, value in held.items() if BUILDER.fullmatch(key) and callable(value)
-              and not isinstance(value, type)]
+    names += [key for key, value in held.items() if _builder(key, value)]
     if not names:
         return None
     return f"{names[0]}() beside {name} in {os.path.basename(code.co_filename)}"

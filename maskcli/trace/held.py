@@ -36,7 +36,8 @@ POSITIONS = re.compile(r"^(?:position_ids|positions|pos_ids)$")  # (B, L) positi
 IDS = re.compile(r"^(?:input_ids|idx|tokens)$")  # (B, L) token ids, read beside a mask the same frame holds (checks/tokens.py)
 GRAPHS = re.compile(r"^(?:batch|index|batch_index|batch_idx|batch_vec|node_batch|graph_index|graph_ids?)$")  # PyG's node ->
 # graph index of a mini-batch of graphs concatenated node after node (checks/graphs.py)
-LEFT = re.compile(r"^(?:left_padding|left_pad|left_pads)$")  # each row's left padding, in keys: a batch cache's (mlx-lm)
+LEFT = re.compile(r"^(?:left_padding|left_pad|left_pads|seq_start_pos)$")  # each row's left padding, in keys: a batch
+# cache's (mlx-lm); where each row's sequence starts in a left-padded batch (x-transformers' generate: t - prompt_lens)
 CACHE = re.compile(r"^(?:cache|kv_cache|past_key_values?|prompt_cache)$")  # an object that may hold `left_padding`
 HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
 BATCHES = re.compile(r"^(?:batch|inputs|data|sample|example|features|observations?|tasks?)$"  # a dict of the batch's tensors
@@ -124,7 +125,7 @@ def padding(frames: list | None = None) -> list[dict] | None:
             batches = []
             for name in held:
                 value = variables.get(name)
-                if issubclass(type(value), torch.Tensor) and id(value) not in seen:
+                if issubclass(type(value), torch.Tensor) and id(value) not in seen and not LEFT.search(name):
                     read = _read(name, value, code)
                     if read is not None or not COLUMNS.search(name):  # (lengths read as nothing under a column name may
                         seen.add(id(value))  # be under an outer one: Sockeye's `valid_length`; a mask's name claims it)
