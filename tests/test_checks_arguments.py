@@ -19,6 +19,9 @@ BUGS = [
     ("packed_positions_no_document_mask", "documents-leak"),  # huggingface/nanoVLM#204: positions reset, mask causal
     ("packing_position_reset_only", "documents-leak"),  # DeepOpt-com/WrinkleFree-Monorepo#53: the same, RoPE only
     ("chunked_mask_clobbers_documents", "documents-leak"),  # huggingface/transformers#37429: chunks over documents
+    # the same bug written blind again (blind-nk, round 81, caught before any rule changed for it): a trimmed Llama 4
+    # text model through transformers' own make_flex_block_causal_mask path, flex_attention eager on the CPU
+    ("transformers_llama4_flex_chunked_mask_clobbers_packed_document_ids", "documents-leak"),
     # vllm-project/vllm#34127: MiniCPM-V's patch_attention_mask never reaches the ViT's SDPA
     ("vllm_minicpm_idefics2_vit_patch_mask_dropped", "padding-ignored"),
     # huggingface/transformers#35043: BertGeneration builds no mask at all with use_cache: its softmax masks nowhere

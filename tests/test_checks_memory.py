@@ -23,6 +23,18 @@ def test_gpt2_cross_attention_drops_encoder_mask(tmp_path):
                                    "gpt2_cross_attention_drops_encoder_mask.py)"), hit["message"]
 
 
+def test_pixart_alpha_caption_never_trimmed_to_its_real_tokens(tmp_path):
+    """huggingface/diffusers#5695 (78be400761; written blind, blind-nj, caught before any rule changed for it): PixArt
+    hands its transformer no text mask and trims the caption to its real tokens instead, behind a test that could never
+    be true after the embeddings were computed; every image token cross-attends all 120 T5 positions. Row 0 is the
+    classifier-free guidance's empty negative prompt (its EOS alone is real), so its first padding key is key 1."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "diffusers_pixart_alpha_mask_feature_never_applied_padded_t5_attended",
+                    "encoder-padding-ignored")[0]
+    assert tuple(hit["cell"]) == (0, 0, 1) and "T5EncoderModel" in hit["message"], hit["message"]
+
+
 def test_t5_export_wrappers_drop_the_encoder_padding(tmp_path):
     """huggingface/optimum-executorch#230 (written blind, batch blind-aw): the export wrappers ran the T5 encoder over a
     static-length input padded with the pad id 0 and the decoder without encoder_attention_mask."""
