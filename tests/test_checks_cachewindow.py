@@ -85,3 +85,24 @@ def test_a_module_held_block_window_and_an_object_around_the_module_are_quiet(tm
         assert result.exit_code == 0, result.output
         found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
         assert [f for f in found if f["severity"] == "wrong"] == [], result.output
+
+
+def test_a_kv_press_observation_window_is_no_cache_bound_nor_the_attentions_window(tmp_path):
+    """NVIDIA/kvpress#227 (42175e7; written blind, blind-nm): SnapKVPress holds `window_size = 8` beside its
+    `compression_ratio = 0.75`, the last 8 queries that score which keys to keep. Before round 82 both runs were told
+    cache-window-overrun (the window read as the cache's bound), window-missing (as the attention's) and
+    causal-flag-ignored (its scoring softmax of 8 queries placed at the keys' start by the cache's length as the call
+    ended, after the press had evicted). A share of the keys kept states an observation window
+    (checks/fieldnames.py's observation_window), and a dynamic cache's length places no queries. The bug itself (a
+    window key evicted on a tie) is not found: no finding on either run."""
+    from checkbugs import traced
+    from maskcli.checks.fieldnames import observation_window
+
+    assert observation_window({"compression_ratio": 0.75, "window_size": 8}, 8)
+    assert observation_window({"max_capacity_prompt": 64, "window_size": 8}, 8)
+    assert not observation_window({"window_size": 8, "dropout_ratio": 0.1}, 8)
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, "kvpress_snapkv_window_padded_with_tied_max_score", fixed,
+                                       Path(__file__).parent / "data" / "blind")
+        codes = {f["code"] for f in found}
+        assert status == 0 and not codes & {"cache-window-overrun", "window-missing", "causal-flag-ignored"}, report

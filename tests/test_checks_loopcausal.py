@@ -55,3 +55,17 @@ def test_generate_without_a_cache_a_prefix_lm_and_a_masked_lm_filling_are_quiet(
     # among itself: the same loop with every key seen is flagged), a masked LM filling the [MASK] it appends each step
     status, found, report = traced(tmp_path, "quiet_generate_loops_without_a_cache", False, LOOPCAUSAL)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_image_tokens_before_the_caption_and_a_vision_tower_run_again_each_step(tmp_path):
+    """GIT's greedy loop re-run without a cache (quiet-r82b, written blind: loop-sees-later said its vision tower's
+    patches and its image prefix were appended tokens). The decoder's keys are the image's tokens and then the ids, so
+    an appended token's key sits that many columns on; a vision tower whose keys do not grow with the ids attends none.
+    Written another way, a captioner of the program's own with 4 image tokens whose caption block is all ones: flagged
+    where the first caption token (column 4) sees the first appended one (column 5); its fix is quiet."""
+    status, found, report = traced(tmp_path, "quiet_git_image_prefix_bidirectional_caption_causal_right_padded", False,
+                                   Path(__file__).parent / "data" / "quiet_blind")
+    assert status == 0 and "loop-sees-later" not in [f["code"] for f in found], report
+    [hit] = check_bug(tmp_path, "image_prefix_captioner_rerun_loop_text_sees_later", "loop-sees-later", LOOPCAUSAL)
+    prefix = 4  # PATCHES
+    assert tuple(hit["cell"]) == (0, prefix, prefix + 1)

@@ -7,9 +7,18 @@ chunked type's n_swa is a chunk size, not a window, and the NONE type slides not
 layer (`is_swa(il)`), which is sliding_window_layers' bool form. Gemma 3n's and Gemma 4's audio encoders'
 `attention_context_right`: the frames past its own a query sees (`max_future_horizon`, transformers'
 `_convert_4d_mask_to_blocked_5d`); 0 states it sees none, a causal statement beside its blocks and left context.
+
+A `window_size` beside a capacity past it (H2O's and SnapKV's `max_capacity_prompt`, a `budget`) or the share of the
+keys kept (kvpress's `compression_ratio`) is a KV-cache compressor's observation window (the last queries, that score
+which keys to keep), not the attention's: left out (trace/bounded.py reads a cache object's window the same way).
 """
 
 from __future__ import annotations
+
+import re
+
+CAPACITY = re.compile(r"capacity|budget|max_(size|len|length|tokens|cache)|cache_size", re.I)
+RATIO = re.compile(r"(?:compression|keep|retain|evict|prune)\w*_ratio|ratio_(?:kept|evicted)", re.I)
 
 STANDARD = 1  # llama.cpp's LLAMA_SWA_TYPE_STANDARD (NONE 0, CHUNKED 2, SYMMETRIC 3)
 
@@ -24,9 +33,20 @@ def _standard(kind) -> bool:
     return str(getattr(kind, "name", kind)).upper().endswith("STANDARD")
 
 
+def observation_window(attributes: dict, window: int) -> bool:
+    """The object also states a capacity past its window or the share of the keys it keeps: it keeps that many keys,
+    its window being another one (H2O's and SnapKV's observation window)."""
+    return any(type(value) is int and value > window and CAPACITY.search(name)
+               or type(value) is float and 0 < value < 1 and RATIO.search(name) for name, value in attributes.items()
+               if isinstance(name, str))
+
+
 def other_names(items: dict, found: dict) -> None:
     """Add to `found` (the fields read under checks/intent.py's names) what `items` states under the other names
-    above, where the names it reads state nothing of it; `window_said` names the field the window came from."""
+    above, where the names it reads state nothing of it; `window_said` names the field the window came from. A
+    compressor's observation window is taken out of it."""
+    if type(found.get("window_size")) is int and observation_window(items, found["window_size"]):
+        del found["window_size"]
     if "sliding_window" not in found and items.get("same_length") is True and type(items.get("mem_len")) is int \
             and items["mem_len"] > 0 and items.get("attn_type", "uni") == "uni":
         found["sliding_window"], found["window_said"] = items["mem_len"], "mem_len"

@@ -12,7 +12,9 @@ step sees both ways; its config `is_decoder`; or it makes a cross-attention to a
 decoder does): at each later call, a self-attention whose real query sees a later real key that the loop
 appended is wrong (candle#1146: the BLIP text decoder's self-attention had no mask; the fix adds -inf above the
 diagonal). Quiet where the model is causal, on the prompt's own bidirectional block, on a loop that appends more than
-one token a call (a diffusion LM's blocks) or changes earlier tokens, and on a cached loop (one query a call).
+one token a call (a diffusion LM's blocks) or changes earlier tokens, and on a cached loop (one query a call). The keys
+are the loop's tokens where they grow with its ids, behind a fixed prefix (GIT's image tokens before its text, so its
+appended tokens start past them); a vision tower run again each step over the same image attends none of them.
 """
 
 from __future__ import annotations
@@ -59,16 +61,31 @@ def _decodes(run: Run, top) -> bool:
     return any(top.first <= call.index < top.end for call in run.cross)
 
 
+def _offsets(run: Run, tops: list) -> dict:
+    """{site: d} of each site whose keys are the loop's tokens behind a fixed prefix of d keys (GIT's image tokens
+    before its text): at every call of the loop, as many keys as the call's ids plus d. A site whose keys do not grow
+    with the ids (a vision tower run again each step over the same image) attends no appended token."""
+    seen: dict = {}
+    for top in tops:
+        length = _ids(top).shape[1]
+        for call in (c for c in (*run.calls, *run.unmasked) if top.first <= c.index < top.end):
+            seen.setdefault(call.where, set()).add(int(call.shape[3]) - length)
+    return {where: d.pop() for where, d in seen.items() if len(d) == 1 and min(d) >= 0}
+
+
 def loop_sees_later(run: Run) -> list:
     """Self-attention calls of a re-run generation loop where a real query sees a later real key the loop appended."""
     found, done = [], set()
     for start, tops in _loops(run):
         if not _decodes(run, tops[0]):
             continue
+        offsets = _offsets(run, tops)
         for top in tops:
             for call in [c for c in (*run.calls, *run.unmasked) if top.first <= c.index < top.end]:  # (no mask at all:
                 q_len, k_len = call.shape[2:]  # a site that masks nowhere is among run.unmasked)
-                if call.where in done or q_len != k_len or q_len <= start or cross(call) or call.stored is None:
+                offset = offsets.get(call.where)
+                if call.where in done or q_len != k_len or offset is None or q_len <= offset + start or cross(call) \
+                        or call.stored is None:
                     continue
                 cells = keep(call)
                 if cells is None or cells.shape[0] not in (1, call.shape[0]):
@@ -79,7 +96,7 @@ def loop_sees_later(run: Run) -> list:
                 rows = by_row(cells, call.shape[0])
                 real = resolve(call, top, rows)
                 column = np.arange(k_len)
-                later = rows & (column[None, None, :] > own[None, :, None]) & (column >= start)[None, None, :] \
+                later = rows & (column[None, None, :] > own[None, :, None]) & (column >= offset + start)[None, None, :] \
                     & real.queries[:, :, None] & real.keys[:, None, :]
                 if not later.any():
                     continue

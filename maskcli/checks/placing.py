@@ -81,9 +81,10 @@ def _stated(call, top) -> np.ndarray | None:
         if isinstance(start, int) and start + q_len <= k_len:
             return np.arange(start, start + q_len)
     held = arguments.get("cache_length")
-    if isinstance(held, int) and q_len <= held < k_len:  # a static cache's slots past the written ones (trace/tops.py)
-        return np.arange(held - q_len, held)
     sizes = () if top is None else top.arguments.get("cache_slots", ())
+    if isinstance(held, int) and q_len <= held < k_len and sizes:  # a static cache's slots past the written ones
+        return np.arange(held - q_len, held)  # (trace/tops.py; a dynamic cache holding fewer as the call ends was
+        # compressed by then, a press's eviction in its layers' hooks: kvpress's SnapKV, its keys no slots)
     if isinstance(held, int) and any(held >= size and k_len == size - 1 + q_len for size in sizes):
         return np.arange(held - q_len, held)  # a full static sliding layer's last size - 1 keys and the new ones
         # (cache_utils.py StaticSlidingWindowLayer.update 583-591, 621-624): its columns are not positions

@@ -7,8 +7,9 @@ Where a program frame on the way to the kernel, inside the attending module, is 
 object states that it keeps W of them (W + 1 by another convention; plus its sink tokens where it holds an int count
 of them: StreamingLLM's `n_sinks`, `num_sink_tokens`). Recorded as (name, W, sinks, where) under "window_bounded".
 
-An object that also states a capacity past its window (H2O's and SnapKV's `max_capacity_prompt`) keeps that many keys:
-its window is an observation window (the last queries, that score which keys to keep), not the cache's bound.
+An object that also states a capacity past its window (H2O's and SnapKV's `max_capacity_prompt`) or the share of the
+keys it keeps (kvpress's `compression_ratio`) keeps that many keys: its window is an observation window (the last
+queries, that score which keys to keep), not the cache's bound (checks/fieldnames.py's observation_window).
 
 A module's own int `window_size` says nothing here: it is a Swin window, a local-attention block (lucidrains'
 LocalAttention sees two of them), a kernel's convention (trace/windows.py reads those).
@@ -16,14 +17,12 @@ LocalAttention sees two of them), a kernel's convention (trace/windows.py reads 
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from maskcli.checks.fieldnames import observation_window
 from maskcli.trace.codes import ByCode
 
 NAMES = ("window_size", "sliding_window")
-CAPACITY = re.compile(r"capacity|budget|max_(size|len|length|tokens|cache)|cache_size", re.I)
 _METHODS = ByCode()  # code object -> whether its first argument is `self`
 
 
@@ -45,13 +44,6 @@ def _sinks(attributes: dict) -> int | None:
     return total
 
 
-def _capacity(attributes: dict, window: int) -> bool:
-    """The object also states a capacity past its window (`max_capacity_prompt`, a `budget`, a `max_size`): it keeps
-    that many keys, its window being another one (H2O's and SnapKV's observation window, the last queries that score
-    the keys to keep)."""
-    return any(type(value) is int and value > window and CAPACITY.search(name) for name, value in attributes.items())
-
-
 def bounded(frames: list | None, found: dict) -> None:
     """Under found["window_bounded"]: (name, W, sinks, where) of the innermost program frame that is a method of a
     non-module object holding an int window W > 0, inside the innermost running module (`frames` innermost first: an
@@ -71,7 +63,7 @@ def bounded(frames: list | None, found: dict) -> None:
             window = attributes.get(name)
             if type(window) is int and window > 0:
                 sinks = _sinks(attributes)
-                if sinks is None or _capacity(attributes, window):
+                if sinks is None or observation_window(attributes, window):
                     return
                 found["window_bounded"] = (name, window, sinks, f"self.{name} = {window} of {type(holder).__name__} "
                                            f"in {code.co_name}()")
