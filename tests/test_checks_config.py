@@ -796,3 +796,27 @@ def test_a_config_written_as_class_attributes_states_them():
     assert fields_of(held)["layers"] == 3
     transformers = pytest.importorskip("transformers")
     assert fields_of(transformers.MistralConfig(num_hidden_layers=2, sliding_window=4))["other_layers"] is False
+
+
+def test_a_config_that_names_gemma_2_states_its_layers_turns(tmp_path):
+    """Lightning-AI/litgpt#1545 (d3bf8a4b; written blind, blind-nn, missed before round 83): CausalSelfAttention put
+    Gemma 2's window on blocks 1, 3, ... (`block_idx % 2`) where Gemma 2 slides on 0, 2, .... Its config states a
+    window (`sliding_window_size`) and names the family (`name="gemma-2-tiny"`), no layer pattern: Gemma 2's layers
+    take turns, the first sliding (transformers' configuration_gemma2.py), read by checks/fieldnames.py. Written another
+    way, a dict config with `model_type: "gemma2"` whose port windows every layer. Both fixes quiet; a config naming
+    Gemma 1's 2B (`gemma-2b`) or T5Gemma states no such turns."""
+    from maskcli.checks.fieldnames import other_names
+
+    name = "litgpt_gemma2_sliding_window_on_odd_layers"
+    status, found, report = traced(tmp_path, name, False, Path(__file__).parent / "data" / "blind")
+    wrong = {(f["code"], f["message"].split(" is a ")[0]) for f in found if f["severity"] == "wrong"}
+    assert status == 1 and wrong == {("window-missing", "layer 0"), ("window-on-full-layer", "layer 1")}, report
+    status, found, report = traced(tmp_path, name, True, Path(__file__).parent / "data" / "blind")
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+    hits = check_bug(tmp_path, "gemma2_port_window_on_every_layer", "window-on-full-layer",
+                     Path(__file__).parent / "data" / "windows")
+    assert {h["message"].split(" is a ")[0] for h in hits} <= {"layer 1", "layer 3"} and "model_type='gemma2'" in hits[0]["message"]
+    for named, said in (("gemma-2-9b", True), ("gemma2", True), ("gemma-2b", False), ("t5gemma2", False), ("gemma-3", False)):
+        found = {"sliding_window": 4}
+        other_names({"model_type": named}, found)
+        assert (found.get("sliding_window_pattern") == 2) == said, named

@@ -289,9 +289,9 @@ def full_layers(run: Run) -> list:
                 said += f"; {stated.said('use_sliding_window')}"
             about = f"about {stated_size[0]}" if stated_size else f"{sizes[0]}"
             found.append((call, Finding("window-on-full-layer", (
-                f"{_layer(index, call)} is a full-attention layer ({kind[1]}, {said}) but its mask is a sliding window "
+                f"{_layer(index, call)} is a full-attention layer ({kind[1]}{f', {said}' if said else ''}) but its mask is a sliding window "
                 f"of {about} keys: the window applied by the wrong layer types or the wrong way round"),
-                expected="full" if both else "causal", source=f"{kind[1]} ({said})")))
+                expected="full" if both else "causal", source=f"{kind[1]} ({said})" if said else kind[1])))
     return found
 
 

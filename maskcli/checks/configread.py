@@ -129,3 +129,11 @@ def text_part(config):
         return found()
     except ValueError:
         return config
+
+
+def same(a, b) -> bool:
+    """a == b as a bool; False for values that do not compare (a tensor's, a program's __eq__ that raises)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare: not the same
+        return False

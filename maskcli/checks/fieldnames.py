@@ -11,6 +11,10 @@ layer (`is_swa(il)`), which is sliding_window_layers' bool form. Gemma 3n's and 
 A `window_size` beside a capacity past it (H2O's and SnapKV's `max_capacity_prompt`, a `budget`) or the share of the
 keys kept (kvpress's `compression_ratio`) is a KV-cache compressor's observation window (the last queries, that score
 which keys to keep), not the attention's: left out (trace/bounded.py reads a cache object's window the same way).
+
+A config that names Gemma 2 (its `name`, `model_type`, `model_name`: gemma-2, gemma2; not Gemma 1's gemma-2b) with a
+window and no layer pattern states Gemma 2's layers: sliding and full in turn, the first sliding (transformers'
+configuration_gemma2.py: layer_types "sliding_attention" where (i + 1) % 2, a sliding_window_pattern of 2).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from __future__ import annotations
 import re
 
 CAPACITY = re.compile(r"capacity|budget|max_(size|len|length|tokens|cache)|cache_size", re.I)
+GEMMA2 = re.compile(r"(?<![a-z0-9])gemma[-_ ]?2(?![0-9a-z])", re.I)
+NAMED = ("name", "model_type", "model_name")
+PATTERNS = ("layer_types", "sliding_window_pattern", "sliding_window_layers", "max_window_layers", "interleaved_attn_pattern")
 RATIO = re.compile(r"(?:compression|keep|retain|evict|prune)\w*_ratio|ratio_(?:kept|evicted)", re.I)
 
 STANDARD = 1  # llama.cpp's LLAMA_SWA_TYPE_STANDARD (NONE 0, CHUNKED 2, SYMMETRIC 3)
@@ -50,6 +57,10 @@ def other_names(items: dict, found: dict) -> None:
     if "sliding_window" not in found and items.get("same_length") is True and type(items.get("mem_len")) is int \
             and items["mem_len"] > 0 and items.get("attn_type", "uni") == "uni":
         found["sliding_window"], found["window_said"] = items["mem_len"], "mem_len"
+    named = next((f"{n}={items[n]!r}" for n in NAMED if isinstance(items.get(n), str) and GEMMA2.search(items[n])), None)
+    if named and not any(n in found for n in PATTERNS) and any(found.get(n) for n in ("sliding_window", "sliding_window_size")):
+        found["sliding_window_pattern"] = 2
+        found["pattern_said"] = f"{named} (Gemma 2: sliding and full layers in turn, the first sliding)"
     swa = items.get("n_swa")
     if "sliding_window" not in found and type(swa) is int and swa > 0 and _standard(items.get("swa_type")):
         found["sliding_window"], found["window_said"] = swa, "n_swa"

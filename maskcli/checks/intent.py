@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from maskcli.checks.configread import LIBRARIES, MISSING, StaticView, class_fields, dynamic, read  # noqa: F401 - (read from here too)
-from maskcli.checks.configread import added as _added
+from maskcli.checks.configread import added as _added, same as _same
 from maskcli.checks.fieldnames import no_right_context, other_names
 
 FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset", "mem_len",
@@ -40,6 +40,7 @@ FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_patter
 ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 IMAGE_IDS = ("image_token_id", "image_token_index")  # kept beside the FIELDS a config states, never alone
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers", "interleaved_attn_pattern")
+RENAMED = (("sliding_window", "window_said"), ("sliding_window_layers", "layers_said"), ("sliding_window_pattern", "pattern_said"))
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 NUMBERS = ("layer_idx", "layer_id", "layer_index")  # a module's own 0-based layer number (trace/stated.py)
 NAMES = ("config", "cfg", "args", "hparams", "hp", "params", "model_args", "model_config", "conf", "settings", "opt")
@@ -206,8 +207,8 @@ class Intent:
             del self.values[name]
         self.renamed = {"sliding_window_size": one.fields["window_field"] for one in stated  # (said by its own name)
                         if one.fields.get("window_field") and self.sources.get("sliding_window_size") == one.source}
-        self.renamed.update({name: one.fields[said] for name, said in (("sliding_window", "window_said"), (
-            "sliding_window_layers", "layers_said")) for one in stated if one.fields.get(said) and self.sources.get(name) == one.source})
+        self.renamed.update({name: one.fields[said] for name, said in RENAMED for one in stated  # (said by another name)
+                             if one.fields.get(said) and self.sources.get(name) == one.source})
         self.sources.update({said: self.sources[name] for name, said in self.renamed.items() if name in self.sources})
         self.transformers = any(one.fields.get("transformers") for one in stated)
         inner = max((one for one in stated if one.fields.get("transformers")), key=lambda one: len(one.scope or ""), default=None)
@@ -302,7 +303,8 @@ class Intent:
             return None
         if sliding and isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
             full = (index + 1) % pattern == 0  # transformers' Gemma 3 / Cohere2: every pattern-th layer is full
-            return ("full_attention" if full else "sliding_attention"), f"sliding_window_pattern={pattern}", False
+            return ("full_attention" if full else "sliding_attention"), self.renamed.get(
+                "sliding_window_pattern") or f"sliding_window_pattern={pattern}", False
         period = self.values.get("interleaved_attn_pattern")  # (local, global): Megatron's `(n - 1) % sum < local`
         if sliding and isinstance(period, (list, tuple)) and len(period) == 2 and all(
                 type(x) is int and x >= 0 for x in period) and sum(period) > 0:
@@ -357,13 +359,6 @@ class Intent:
         types = self.values.get("layer_types")
         return self.values.get("use_sliding_window") is False or (
             isinstance(types, list) and any(str(kind) != "full_attention" for kind in types))
-
-
-def _same(a, b) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that do not compare: not the same
-        return False
 
 
 def said_by_another(fields: dict, others: list[dict]) -> bool:
