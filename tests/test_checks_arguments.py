@@ -22,6 +22,9 @@ BUGS = [
     # the same bug written blind again (blind-nk, round 81, caught before any rule changed for it): a trimmed Llama 4
     # text model through transformers' own make_flex_block_causal_mask path, flex_attention eager on the CPU
     ("transformers_llama4_flex_chunked_mask_clobbers_packed_document_ids", "documents-leak"),
+    # lucidrains/naturalspeech2-pytorch c2cae47 (written blind, blind-np, round 84, caught before any rule changed for
+    # it): the phoneme encoder's attention over a right-padded batch was handed no mask at all
+    ("naturalspeech2_phoneme_encoder_padded_phonemes_attended", "padding-ignored"),
     # vllm-project/vllm#34127: MiniCPM-V's patch_attention_mask never reaches the ViT's SDPA
     ("vllm_minicpm_idefics2_vit_patch_mask_dropped", "padding-ignored"),
     # huggingface/transformers#35043: BertGeneration builds no mask at all with use_cache: its softmax masks nowhere
