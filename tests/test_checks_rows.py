@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from checkbugs import check_bug, first
+from checkbugs import check_bug, first, traced
 from maskcli import tracefile
 from maskcli.checks.rows import empty_rows, given_empty_rows, given_later, later
 
@@ -726,3 +726,20 @@ def test_an_additive_mask_converted_again_as_if_it_were_0_1_masks_everything(tmp
     status, found, report = traced(tmp_path, "additive_mask_converted_once_mha_left_padded_quiet", False, ROWSDATA)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert [f["severity"] for f in found if f["code"] == "fully-masked"] == ["note"], report
+
+
+def test_an_encoders_self_attention_sees_later_keys_by_design(tmp_path):
+    """A query that sees later keys where the module path names an encoder and no decoder is the program's word that
+    the layer attends both ways: transformers' LongT5 transient-global encoder blocks (quiet-r85b, written blind: its
+    blocked keys, [previous, own, next block, global tokens], read as sees-later before round 85). The same cells at a
+    decoder's self-attention still are a slip."""
+    off = cells(1, 4, 4, lambda b, q, k: k <= q + 1)  # (a causal mask one key off: the double loop above)
+    for where, said in (("encoder.block.0.layer.0.TransientGlobalSelfAttention", False),
+                        ("vision_model.encoder.layers.1.self_attn", False),
+                        ("model.decoder.layers.0.self_attn", True), ("layers.0.attn", True)):
+        keep, stored = call(off)
+        found = later(SimpleNamespace(**vars(keep), where=where), stored, None)
+        assert bool(found) == said, where
+    status, found, report = traced(tmp_path, "quiet_transformers_longt5_tglobal_padded_sources_summarise", False,
+                                   Path(__file__).parent / "data" / "quiet_blind")
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
