@@ -122,13 +122,13 @@ def both_ways(run: Run) -> list:
         classed = named is not None and named == first.details.get("class_causal")
         said = f"{top.arguments['causal_lm']} states a causal LM" if "causal_lm" in top.arguments else \
             f"its attention module's class {named} states the layer causal" if classed else \
-            f"{branch}, and this call was handed one" if named is branch else f"its decode steps attend through {named}"
+            f"{branch}, and this call was handed one" if branch is not None else f"its decode steps attend through {named}"
         found.append((first, Finding("causal-lm-both-ways", (
             f"{said}, but its prompt pass attends both ways: every real query "
             f"sees every real key (query {q} of batch row {b} sees later key {k}; {int((rows & judged & later).sum())} "
             f"such cells), and later steps decode over the cache it wrote (step {first.step})"),
             expected="causal", source=f"the model class {top.arguments['causal_lm']}" if "causal_lm" in top.arguments
-            else f"the class {named} of {first.where}" if classed else branch if named is branch
+            else f"the class {named} of {first.where}" if classed else branch if branch is not None
             else f"{named} at {first.where}'s decode steps",
             cell=(b, q, k))))
     return found

@@ -13,16 +13,17 @@ forward frame, whose parameter's value says the causal branch was not taken. Rec
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import os
 import re
 import textwrap
 
 from maskcli.trace.builders import _own
+from maskcli.trace.codes import ByCode
 from maskcli.trace.forwardflag import forward_frame
 
 CACHE = re.compile(r"cache|past|(?:^|_)kv(?:_|$)|layer_past", re.IGNORECASE)  # a parameter named like a cache
+_BRANCHES = ByCode()  # forward code -> its branches (_branches), read once
 
 
 def note(details: dict, stack: list, walked) -> None:
@@ -31,9 +32,9 @@ def note(details: dict, stack: list, walked) -> None:
     if not stack or walked is None:
         return
     code = getattr(getattr(type(stack[-1]), "forward", None), "__code__", None)
-    if code is None or not ({"triu", "tril"} & set(code.co_names)):
-        return  # (most modules: no triangle built in their forward; one set lookup a call)
-    branches = _branches(code)
+    branches = None if code is None else _BRANCHES.get(code)
+    if branches is None and code is not None:  # (read once per forward: most build no triangle, one id lookup a call)
+        branches = _BRANCHES.put(code, _branches(code) if {"triu", "tril"} & set(code.co_names) else ())
     if not branches:
         return
     found = forward_frame(stack, walked.held, lambda _: True)
@@ -49,7 +50,6 @@ def note(details: dict, stack: list, walked) -> None:
             return
 
 
-@functools.lru_cache(maxsize=256)
 def _branches(code) -> tuple:
     """((parameter, whether the triangle's branch is the one for None, line, 'torch.triu'), ...) of `code`'s ifs on a
     cache parameter whose one branch alone builds a triangle; () where none (or not the program's own code)."""
