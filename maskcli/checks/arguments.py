@@ -121,10 +121,9 @@ def _decoder_of_source(run: Run, top) -> bool:
 def _encoder_side(call) -> bool:
     """A self-attention of an encoder-decoder's encoder, by its module path (`model.encoder.layers.0.self_attn`): the
     keys the model call's attention_mask / input ids are of."""
-    from maskcli.checks.sides import DECODER, ENCODER
+    from maskcli.checks.sides import encoder_path
 
-    where = getattr(call, "where", "") or ""
-    return bool(ENCODER.search(where)) and not DECODER.search(where) and not cross(call)
+    return encoder_path(getattr(call, "where", "")) and not cross(call)
 
 
 def _seen_padding(cells: np.ndarray, real: np.ndarray, own: np.ndarray) -> np.ndarray:

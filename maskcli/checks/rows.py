@@ -94,11 +94,13 @@ def later(call, stored: dict, structure, real=None, past=None, places=None) -> l
     said, and the tests read the cells whole (a guess from the cells does not reshape them). `past`: a function saying
     whether the model call states its queries past every key (past_the_keys): then no key is later than a query.
     `places`: a function giving the queries' key positions the model call states (stated_places), used instead."""
+    from maskcli.checks.sides import encoder_path
+
     if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
         return []
     if call.api in ("flash", "hf") and not call.details.get("causal"):
         return []  # not causal: the later keys in its window are the ones it asked for
-    if cross(call) or _encoder_path(call):
+    if cross(call) or encoder_path(getattr(call, "where", "")):
         return []  # a decoder's queries over its encoder's memory: no query has a position among those keys; an
         # encoder's self-attention (its module path says so: LongT5's blocked transient-global layers) sees both ways
     if call.details.get("mask_rows") == 1:
@@ -150,15 +152,6 @@ def later(call, stored: dict, structure, real=None, past=None, places=None) -> l
                         "note")]
     return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
                     "a causal mask with an off-by-one, or one read the wrong way round?")]
-
-
-def _encoder_path(call) -> bool:
-    """The call's module path names an encoder and no decoder (`encoder.block.0.layer.0.TransientGlobalSelfAttention`,
-    `vision_model.encoder.layers.1.self_attn`): the program's word that this attention sees both ways."""
-    from maskcli.checks.sides import DECODER, ENCODER
-
-    where = getattr(call, "where", "") or ""
-    return bool(ENCODER.search(where)) and not DECODER.search(where)
 
 
 def stated_tokens(run, calls: list) -> np.ndarray | None:

@@ -65,6 +65,13 @@ def _at_one_end(pad: np.ndarray) -> bool:
     return bool(((columns >= pad.shape[1] - count) == pad).all() or ((columns < count) == pad).all())
 
 
+def encoder_path(where: str | None) -> bool:
+    """A module path that names an encoder and no decoder (`model.encoder.layers.0.self_attn`,
+    `encoder.block.0.layer.0.TransientGlobalSelfAttention`): the program's word that the attention there is an
+    encoder's, seeing both ways."""
+    return bool(ENCODER.search(where or "")) and not DECODER.search(where or "")
+
+
 def beside_encoder(run: Run, call) -> bool:
     """The call is a decoder's (its module path says so) in a run whose calls hold an encoder too: a flag said for the
     whole program (SpeechBrain's hparams `causal: False`) is its encoder's, the decoder beside it causal by design."""
@@ -72,8 +79,7 @@ def beside_encoder(run: Run, call) -> bool:
         return False
     held = run.__dict__.get("_encoded")
     if held is None:
-        held = run.__dict__["_encoded"] = any(ENCODER.search(one.where or "") and not DECODER.search(one.where or "")
-                                              for one in run.calls)
+        held = run.__dict__["_encoded"] = any(encoder_path(one.where) for one in run.calls)
     return held
 
 
