@@ -148,3 +148,40 @@ def test_a_causal_tile_of_a_blockwise_kernel_is_not_said_to_look_flipped(tmp_pat
     _, found, _ = traced(tmp_path, "flash2_online_softmax_tiles_causal_pad", False,
                          Path(__file__).parent / "data" / "quiet")
     assert [f for f in found if f["code"] == "polarity"] == []
+
+
+def test_an_all_hidden_mask_at_a_site_whose_other_masks_read_as_given_is_not_said_to_look_flipped():
+    """IDEFICS' gated cross-attention, run again with its image_attention_mask all 0 (the program checking that its
+    gate matters): every cell hidden, which read the other way round is full. The same module was handed, at the
+    earlier call, a mask that keeps some cells and hides others (text before the first image sees none, later text sees
+    the images before it), read as given: the site's code reads masks one way, so the all-0 mask is the program's own,
+    no polarity slip. A site where every mask is all hidden (a keep mask of all True handed where True = masked) is
+    still said to look flipped."""
+    import torch
+
+    import maskcli
+
+    torch.manual_seed(0)
+
+    class CrossAttention(torch.nn.Module):
+        def forward(self, x, images, image_mask):  # image_mask: (B, Lq, Lk), 1 = this text token sees that image
+            scores = x[:, None] @ images[:, None].transpose(-1, -2)
+            fill = (1.0 - image_mask[:, None].to(x.dtype)) * torch.finfo(x.dtype).min  # IDEFICS' additive mask
+            return torch.softmax(scores + fill, -1) @ images[:, None]
+
+    seen = torch.zeros(2, 5, 4)
+    seen[0, 1:3, :2] = 1  # an image at token 1: text from there sees its two latents
+    seen[0, 3:, :] = 1  # a second image at token 3: both images
+    seen[1, 2:, :2] = 1
+    x, images = torch.randn(2, 5, 8), torch.randn(2, 4, 8)
+    layer, other = CrossAttention(), CrossAttention()
+    with torch.no_grad(), maskcli.trace() as t:
+        layer(x, images, seen)
+        layer(x, images, torch.zeros_like(seen))  # the gate off
+        other(x[:1, :3], images[:1], torch.ones(1, 3, 4, dtype=torch.bool).logical_not())  # all hidden: a site of its own
+    given, zero, alone = t.calls
+    for b, i, j in np.ndindex(2, 5, 4):  # what the kernel kept: the mask as handed, and none of the zero one
+        assert given.keep()[b, 0, i, j] == bool(seen[b, i, j]) and not zero.keep()[b, 0, i, j]
+    found = {g.calls[0].index: [f.code for f in g.findings] for g in t.groups()}
+    assert "polarity" not in found[given.index] and "polarity" not in found[zero.index]
+    assert "polarity" in found[alone.index]

@@ -24,13 +24,14 @@ def same_as(structure, same: str | None) -> list[Finding]:
     return [Finding("same-as", f"{structure.expression} is also {same}: the same cells")] if same is not None else []
 
 
-def polarity(call, kind: str | None, named: str | None, past=None) -> list[Finding]:
+def polarity(call, kind: str | None, named: str | None, past=None, run=None) -> list[Finding]:
     """A mask that no kind names (or a raw tril/triu) whose other reading the recogniser names (`named`, of `kind`).
     `past`: a function saying whether the model call states its queries past every key (rows.past_the_keys): the other
-    reading places them among the keys (bottom-right, or top-left at a static cache's start), where they are not."""
+    reading places them among the keys (bottom-right, or top-left at a static cache's start), where they are not.
+    `run`: the run's calls (checks.context.Run), where an all-hidden mask's site is read (_site_reads_as_given)."""
     if named is None or kind in MEANT_LATER or _edge_padding(call) or _one_key_each(call) or _whole_rows(call) \
             or (getattr(call, "details", None) or {}).get("nan_scores") or past is not None and past() \
-            or _causal_tile(call):  # (NaN: no cells)
+            or _causal_tile(call) or _site_reads_as_given(call, run):  # (NaN: no cells)
         return []
     meaning = {"mha": "MHA reads a bool mask as True = masked", "sdpa": "SDPA reads a bool mask as True = may attend"}.get(call.api, "")
     return [Finding("polarity", f"read the other way round it is {named}: a mask in the wrong polarity?"
@@ -45,6 +46,30 @@ def _one_key_each(call) -> bool:
 
     cells = keep(call) if getattr(call, "stored", None) is not None else None
     return cells is not None and cells.size > 0 and bool(((~cells).sum(axis=-1) == 1).all())
+
+
+def _site_reads_as_given(call, run) -> bool:
+    """The mask as given hides every cell, and another call of the same module path and API in the run was handed a
+    mask that keeps some cells and hides others, and no padding at either end (checks/named._edge_padding): the code
+    at that site turns the program's masks into the kernel's one way, and that mask's reading says which (had it been
+    turned round, its own other reading is what this rule reads there). An all-hidden mask at such a site is one the
+    program handed (IDEFICS run again with its image_attention_mask all 0, its text gated off every image), not a
+    full mask read the wrong way round; a site where every mask is all hidden (a key padding mask of all True
+    meaning all real) is still said."""
+    from maskcli.checks.context import keep
+
+    cells = keep(call) if getattr(call, "stored", None) is not None else None
+    if run is None or cells is None or not cells.size or cells.any() or not getattr(call, "where", ""):
+        return False
+    masks = {call.mask}
+    for other in run.calls:
+        if other.where != call.where or other.api != call.api or other.mask in masks or other.stored is None:
+            continue
+        masks.add(other.mask)
+        given = keep(other)
+        if given is not None and given.any() and not given.all() and not _edge_padding(other):
+            return True
+    return False
 
 
 def _causal_tile(call) -> bool:
@@ -128,7 +153,7 @@ def group_named(g) -> list[Finding]:
     found = closest(g.structure) + same_as(g.structure, g.same())
     if g.structure.kind in MEANT_LATER:
         kind, named = g.flipped()
-        found += polarity(g.first, kind, named, lambda: g.past)
+        found += polarity(g.first, kind, named, lambda: g.past, g.run)
     return found
 
 
