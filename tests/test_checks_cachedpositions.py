@@ -59,3 +59,32 @@ def test_a_cache_begun_anew_after_a_reference_run_at_the_same_layer_is_quiet(tmp
     status, found, report = traced(tmp_path, "static_columns_new_prompt_after_a_reference_run", False, HERE)
     assert status == 0 and not [f for f in found if f["code"] == "positions-inside-cache"], report
     assert "matches B alone" in report, report
+
+
+BLIND = Path(__file__).parent / "data" / "blind"
+
+
+def test_fla_upper_layers_rotated_one_past_the_cache_at_each_step(tmp_path):
+    """fla-org/flash-linear-attention#477 (written blind, batch blind-nt; missed before positions-past-cache): the
+    cache counted a step's token as soon as layer 0 stored it, so every later layer read `seqlen_offset =
+    get_seq_length()` one on and rotated the first decode step's query at 13 over a 12-token prompt cached at 0..11.
+    The offset is a local its attention layer read off the cache (trace/positionsat.OFFSETS). Fix (counted once every
+    layer stored) quiet."""
+    found = check_bug(tmp_path, "fla_cache_seen_tokens_counted_at_layer0_shifts_upper_rope", "positions-past-cache",
+                      folder=BLIND)
+    assert found[0]["message"].startswith("batch row 0: query 0 of step 1, the first after the prefill at step 0, is "
+                                          "at position 13 (seqlen_offset of Attention.forward), yet the prefill's last "
+                                          "real token sits at position 11")
+    assert found[0]["expected"] == "position 12"
+
+
+def test_a_start_pos_counted_after_the_new_token_was_appended_is_found(tmp_path):
+    """The same slip written another way: a Meta-llama-style `forward(tokens, start_pos)` with a cache that appends
+    each call's keys, driven by a loop that appends the new token and then hands `start_pos=len(sequence)`: the first
+    step sits at 9 over a prompt cached at 0..7 (both rows). Fix (`len(sequence) - 1`) quiet, and its last step
+    matches an uncached pass."""
+    found = check_bug(tmp_path, "start_pos_counted_after_append_llama_loop", "positions-past-cache", folder=HERE)
+    assert "is at position 9 (start_pos of Attention.forward)" in found[0]["message"], found[0]["message"]
+    assert "position 8 is skipped" in found[0]["message"]
+    _, _, report = traced(tmp_path, "start_pos_counted_after_append_llama_loop", True, HERE)
+    assert "last step matches an uncached pass: True" in report

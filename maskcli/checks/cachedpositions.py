@@ -87,17 +87,49 @@ def _applied(call, asked: np.ndarray) -> bool:
     return bool((at[:, 0] == asked[:, 0]).all() and (at[:, 1] == asked[:, -1]).all())
 
 
+def _skipped(seen: np.ndarray, real: np.ndarray, asked: np.ndarray, cached: np.ndarray, q_len: int,
+             k_len: int) -> tuple | None:
+    """(b, q, position, last cached position) of the first real query of the first step after the prefill (its keys
+    the prefill's and its own, nothing dropped) numbered past the position right after its row's last cached real
+    token, under the layout where the cache comes first and where it comes after, alike; None where none is."""
+    judged = seen.any(axis=2)  # (B, Lq): the step's real queries
+    hit = None
+    for b in range(real.shape[0]):
+        queries = np.flatnonzero(judged[b])
+        if not len(queries) or not real[b].any():
+            continue
+        last = int(cached[b][real[b]].max())
+        q = int(queries[0])
+        if int(asked[b, q]) > last + 1:  # (its first real query: the next position after the cache's)
+            hit = hit or (b, q, int(asked[b, q]), last)
+        else:
+            return None  # (a row numbered on from its cache: a numbering that skips in one row alone is padding's)
+    return hit
+
+
+def _past(call, head, held: dict, gap: tuple) -> Finding:
+    b, q, at, last = gap
+    return Finding("positions-past-cache", (
+        f"batch row {b}: query {q} of step {call.step}, the first after the prefill at step {head.step}, is at "
+        f"position {at} ({held['name']} of {held['function']}), yet the prefill's last real token sits at position "
+        f"{last} and nothing else was cached: position {last + 1} is skipped, so its rotary or position embedding "
+        f"reads it one token further on (the tokens counted after the cache grew?)"),
+        expected=f"position {last + 1}",
+        source=f"{held['name']} of {head.details['query_positions']['function']} at step {head.step}", cell=(b, q, q))
+
+
 def check(run: Run) -> list:
     """Each cached step that states its queries' positions, against its site's latest prefill that stated its own."""
     found = []
     for where, calls in run.sites().items():
-        prefill = None
+        prefill, next_one = None, False
         for call in calls:
             q_len, k_len = call.shape[2:]
             if q_len == k_len:
                 read = _prefill(call)
-                prefill = None if read is None else (call, *read)
+                prefill, next_one = None if read is None else (call, *read), True
                 continue
+            first, next_one = next_one, False  # (the site's first step after its prefill)
             held = call.details.get("query_positions")
             if prefill is None or held is None or q_len > k_len:
                 continue
@@ -117,6 +149,11 @@ def check(run: Run) -> list:
                 prefill = None  # (no real query sees a key the prefill cached, whatever the layout: a cache begun anew
                 continue  # over the site's fixed columns, DeepSparse's next prompt; its later steps are not the prefill's)
             said = [hit for holds, hit, _ in said if holds]
+            if first and said and all(hit is None for hit in said) and k_len == real.shape[1] + q_len:
+                gap = _skipped(seen, real, asked, cached, q_len, k_len)
+                if gap is not None:
+                    found.append((call, _past(call, head, held, gap)))
+                    break
             if not said or any(hit is None for hit in said):
                 continue
             b, q, k, at = said[0]
@@ -134,6 +171,9 @@ def check(run: Run) -> list:
 
 
 RULES = (
+    Rule("positions-past-cache", "wrong", "site", "the first cached step after a prefill whose queries' stated positions "
+         "(a position_ids or an offset its function holds) skip past the position right after the prefill's last real "
+         "token in every batch row: counted after the cache grew", check),
     Rule("positions-inside-cache", "wrong", "site", "a cached step whose queries' stated positions (a position_ids its "
          "function holds) sit at or before the position its prefill gave a cached real key they see: the step "
          "numbered from fewer tokens than the cache holds", check),

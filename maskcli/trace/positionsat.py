@@ -27,6 +27,8 @@ import maskcli.trace.held as held_module
 
 NAMES = ("position_ids", "positions", "pos_ids", "pos")
 STARTS = ("start_pos", "input_pos", "position", "pos", "seqlen_offset")  # an int parameter: the first query's position
+OFFSETS = ("seqlen_offset",)  # a local too: the tokens before the queries, as the function read them off its cache
+# (fla's attention layers, `seqlen_offset = past_key_values.get_seq_length(self.layer_idx)`, no loop counts with it)
 FRAMES = 2  # the attention's function and the one that called it
 _POSITION = re.compile(r"^(?:wpe|pos_?emb\w*|\w*position\w*|embed_pos\w*)$", re.I)
 _EMBEDS: dict = {}  # id(module) -> (weakref to it, whether it holds a position table)
@@ -172,8 +174,9 @@ def note(details: dict, walked, shape: tuple) -> None:
                                              "unhanded": False, "function": getattr(code, "co_qualname", code.co_name)}
                 return
         handed = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-        start = next(((name, variables[name]) for name in STARTS if name in handed and type(variables.get(name)) is int
-                      and 0 <= variables[name] < 1 << 40), None)  # (a parameter the function was handed, no loop's)
+        start = next(((name, variables[name]) for name in STARTS if (name in handed or name in OFFSETS)
+                      and type(variables.get(name)) is int and 0 <= variables[name] < 1 << 40), None)
+        # (a parameter the function was handed, no loop's; or an offset it read of its cache, fla's seqlen_offset)
         if start is not None and not any(type(variables.get(name)) is torch.Tensor for name in NAMES):
             # (Meta llama's `start_pos`, a decoder's `position` handed to its RoPE: the queries run on from it, one row)
             details["query_positions"] = {
