@@ -62,3 +62,42 @@ def test_references_of_one_patch_each_beside_a_file_named_for_cross_attention_ar
     status, found, report = traced(tmp_path, "patch_cross_attention_checked_patch_by_patch", False, FOLDER)
     assert status == 0 and not [f for f in found if f["code"] == "cross-memory-truncated"], report
     assert "every patch matches its bytes alone" in report, report
+
+
+class _Fusion(nn.Module):
+    """Two cross-attention layers over a caption's states, as BridgeTower's cross-modal image layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Cross() for _ in range(2))
+
+    def forward(self, x, memory):
+        for layer in self.layers:
+            x = layer(x, memory)
+        return x
+
+
+def test_another_model_holding_its_full_memory_at_the_same_step_is_no_sibling():
+    """BridgeTower (written blind, quiet-r86b, a false alarm): its matching model and its masked-LM model each ran the
+    padded batch (11 caption keys) and then every pair alone; at one step the masked-LM model's layers cross-attended a
+    5-token caption while the matching model's held all 11, and that model's layers were read as siblings of the same
+    decoder. Each model call holds its own memory: quiet. One model whose second layer alone keeps 3 keys while its
+    first keeps all 6 is still said."""
+    itm, mlm = _Fusion(), _Fusion()
+    with maskcli.trace() as t, torch.no_grad():
+        images = torch.randn(2, 1, 4, 4)
+        for model in (itm, mlm):
+            model(images, torch.randn(2, 1, 6, 4))  # the padded batch
+        for length in (6, 3):  # the pairs alone: the matching model's caption, then the masked-LM model's
+            itm(images[:1], torch.randn(1, 1, 6, 4))
+            mlm(images[:1], torch.randn(1, 1, length, 4))
+    flagged = [f for group in t.groups() for f in group.findings if f.code == "cross-memory-truncated"]
+    assert flagged == []
+
+    with maskcli.trace() as t, torch.no_grad():
+        for step in range(2):
+            memory = torch.randn(1, 1, 6, 4)
+            x = itm.layers[0](images[:1], memory)
+            itm.layers[1](x, memory if step == 0 else memory[:, :, 3:])  # the second layer's memory cut
+    flagged = [f for group in t.groups() for f in group.findings if f.code == "cross-memory-truncated"]
+    assert flagged and "layers.1 cross-attends 3 memory keys" in flagged[0].message, flagged

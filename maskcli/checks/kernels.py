@@ -151,6 +151,9 @@ def asked(call, stored: dict, name: str) -> list[Finding]:
     hf = call.details.get("hf")
     if call.api == "hf" or not isinstance(hf, dict) or "error" in hf or hf.get("attention_mask") is not None:
         return []  # (a mask given is HF's word on the cells; the interface's own record is what its arguments mean)
+    eager = hf.get("attn_implementation") == "eager"  # (the model's own eager_attention_forward, which reads no
+    # is_causal: a model that wants a causal eager call hands the mask; with none, it attends every key by design.
+    # BridgeTower's cross-modal image layers: is_causal=True on a module that is handed no mask)
     if call.details.get("hf_part"):
         return []  # (one block of the queries or keys HF handed the function, a ring's step: where its queries and
         # keys sit is the function's own split, which the block alone does not say: trace/capture.py)
@@ -158,12 +161,12 @@ def asked(call, stored: dict, name: str) -> list[Finding]:
     first, last = reach(stored, q_len)
     found = []
     causal = hf.get("is_causal", hf.get("module_is_causal"))
-    if causal and (last > k_len - q_len + np.arange(q_len)[None, :]).any():
+    if causal and not eager and (last > k_len - q_len + np.arange(q_len)[None, :]).any():
         said = "is_causal=True" if "is_causal" in hf else "its module's is_causal is True"
         found.append(Finding("hf-not-causal", f"HF asked for a causal mask ({said}) but the kernel applied {name}: "
                                               "queries see later keys"))
     window = hf.get("sliding_window")
-    if isinstance(window, int) and window > 0 and ((last >= 0) & (last - first >= window)).any():
+    if isinstance(window, int) and window > 0 and not eager and ((last >= 0) & (last - first >= window)).any():
         found.append(Finding("hf-not-windowed", f"HF asked for sliding_window={window} but the kernel applied {name}: "
                                                 f"queries see keys {window} or more positions apart, outside the window"))
     return found
