@@ -33,3 +33,15 @@ def test_a_ring_beside_a_growing_global_cache_whose_chunk_rows_see_the_whole_rin
     assert hit["message"].startswith(f"at step 3 the first query sees {first} keys, as at step 2, but the last query "
                                      f"of step 2 saw {last}")
     assert hit["source"].startswith("0, a layer of the same step, holds")
+
+
+def test_llms_from_scratch_window_cache_cut_before_the_chunk_reads_it(tmp_path):
+    """rasbt/LLMs-from-scratch#1008 (written blind, batch blind-nw; caught before any rule changed for it): the
+    sliding-window cache is trimmed to its 4 keys before a chunk of 3 attends, so each chunk's first rows see 2 and 3
+    keys where their window holds 4 (the later rows see 4, right). The cells say only that one chunk's rows see
+    windows of different widths, and the finding names both readings. Fix (attend over W + 3 - 1 keys, store W) quiet."""
+    found = check_bug(tmp_path, "llms_from_scratch_swa_cache_trim_chunked_prefill_loses_window", "chunk-rows-overattend")
+    assert found[0]["message"].startswith("at step 2 the first query sees 2 keys, as at step 1, but the last query of "
+                                          "step 1 saw 4: rows of one chunk see windows of different widths over a "
+                                          "cache of fixed size, a window of 2 keys the later rows see past, or one of "
+                                          "4 the cache cut before the chunk's first rows read it")

@@ -7,7 +7,9 @@ the next step's first row more keys than the last row of the step before (c + Lq
 window of W gives every row W once the window is full. A first row that sees as many keys as the first row before it
 says the cache dropped the keys the chunk's later rows saw: a window of c keys, which the later rows of each chunk
 over-attend (ExecuTorch's StaticAttentionMask, pytorch/executorch#21857: row k of a local layer's chunk sees cache_len
-+ k + 1 keys).
++ k + 1 keys), or a window of c + Lq - 1 whose cache was cut to the window before the chunk read it, so its first rows
+under-attend (LLMs-from-scratch#1008: the sliding-window cache trimmed to W keys before a chunk of 3 attends). The
+cells alone do not say which width the program meant: the finding names both.
 
 Said only where a sibling layer of the same step holds more keys than this one (the program states this layer's
 cache, smaller than its global layers', a local one): a segment-recurrent model's memory (Transformer-XL, the
@@ -75,8 +77,10 @@ def _finding(run: Run, where: str, earlier, call, seen: int, q_len: int) -> Find
         return None
     return Finding("chunk-rows-overattend", (
         f"at step {call.step} the first query sees {seen} keys, as at step {earlier.step}, but the last query of step "
-        f"{earlier.step} saw {seen + q_len - 1}: the cache keeps a window of {seen} keys and each chunk's later rows "
-        f"see past it"), expected=f"every query over the cache sees at most {seen} keys",
+        f"{earlier.step} saw {seen + q_len - 1}: rows of one chunk see windows of different widths over a cache of "
+        f"fixed size, a window of {seen} keys the later rows see past, or one of {seen + q_len - 1} the cache cut "
+        f"before the chunk's first rows read it"),
+        expected=f"one window for every row: {seen} keys each, or {seen + q_len - 1} for the first rows too",
         source=f"{wider.where}, a layer of the same step, holds {wider.shape[3]} keys: this one's {k_len} is a local "
                f"layer's cache", cell=(0, q_len - 1, 0))
 
