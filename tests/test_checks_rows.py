@@ -743,3 +743,47 @@ def test_an_encoders_self_attention_sees_later_keys_by_design(tmp_path):
     status, found, report = traced(tmp_path, "quiet_transformers_longt5_tglobal_padded_sources_summarise", False,
                                    Path(__file__).parent / "data" / "quiet_blind")
     assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
+
+
+def test_a_pool_of_cache_slots_an_engine_states_its_requests_over_has_no_query_order():
+    """vLLM's flex backend (written blind, quiet-r82a, sees-later *suspicious*): every page of the KV cache is the key
+    axis, the queries of every request packed as rows, the mask mapping each physical slot to its request's position.
+    A request whose pages sit late in the pool sees slots after the column the queries would take at the end of the
+    keys, though it sees only its own earlier positions. Its metadata (query_start_loc, seq_lens: 3 new tokens, 8 keys,
+    over 24 slots) says the keys are no sequence laid on the axis: quiet. The same cells with no metadata are still
+    read with the queries at the end of the keys."""
+    import torch
+    import torch.nn.functional as F
+
+    import maskcli
+
+    block, pages = 4, {0: [5, 1], 1: [0]}  # request 0: 5 keys on pages 5 then 1; request 1: 3 keys on page 0
+    lengths, new = [5, 3], [1, 2]
+    keep = torch.zeros(1, 1, 3, 24, dtype=torch.bool)
+    row = 0
+    for r, (n, m) in enumerate(zip(lengths, new)):
+        for position in range(n - m, n):  # each new token, at its position, sees its request's positions 0..itself
+            for k in range(position + 1):
+                keep[0, 0, row, pages[r][k // block] * block + k % block] = True
+            row += 1
+    assert keep[0, 0, 0].nonzero().flatten().tolist() == [4, 20, 21, 22, 23]  # slots after column 21 (24 - 3 + 0)
+
+    def attend(q, k, v, mask, attn_metadata):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def engine_step(q, k, v, mask):  # (the metadata held only here: the bare call below is made where none is)
+        return attend(q, k, v, mask, SimpleNamespace(query_start_loc=torch.tensor([0, 1, 3]),
+                                                     seq_lens=torch.tensor(lengths)))
+
+    def bare(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 24, 8), torch.randn(1, 2, 24, 8)
+    with maskcli.trace() as t:
+        engine_step(q, k, v, keep)
+    [group] = t.groups()
+    assert [f.code for f in group.findings if f.code == "sees-later"] == []
+    with maskcli.trace() as t:
+        bare(q, k, v, keep)
+    [group] = t.groups()
+    assert "sees-later" in [f.code for f in group.findings]

@@ -115,7 +115,7 @@ def _past(call, head, held: dict, gap: tuple) -> Finding:
         f"{last} and nothing else was cached: position {last + 1} is skipped, so its rotary or position embedding "
         f"reads it one token further on (the tokens counted after the cache grew?)"),
         expected=f"position {last + 1}",
-        source=f"{held['name']} of {head.details['query_positions']['function']} at step {head.step}", cell=(b, q, q))
+        source=f"{held['name']} of {head.details['query_positions']['function']} at step {head.step}")
 
 
 def check(run: Run) -> list:

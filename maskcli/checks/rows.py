@@ -103,6 +103,8 @@ def later(call, stored: dict, structure, real=None, past=None, places=None) -> l
     if cross(call) or encoder_path(getattr(call, "where", "")):
         return []  # a decoder's queries over its encoder's memory: no query has a position among those keys; an
         # encoder's self-attention (its module path says so: LongT5's blocked transient-global layers) sees both ways
+    if pooled_keys(call):
+        return []  # an engine's pool of cache slots: no query has a place among its columns (vLLM's flex over its pages)
     if call.details.get("mask_rows") == 1:
         return []  # one mask row broadcast to every query (a key padding mask, or GQA heads packed as rows): no query order
     if gathered_rows(call, stored):
@@ -152,6 +154,20 @@ def later(call, stored: dict, structure, real=None, past=None, places=None) -> l
                         "note")]
     return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
                     "a causal mask with an off-by-one, or one read the wrong way round?")]
+
+
+def pooled_keys(call) -> bool:
+    """The engine's metadata at the call states each request's new tokens and keys (trace/reqlens.py), its new tokens
+    are the call's queries, and its keys, laid one request after another, are not the call's key axis: the keys are a
+    pool of cache slots (vLLM's flex backend hands every page of its KV cache, its mask_mod mapping physical slots to
+    each request's positions), so no query has a position among those columns."""
+    said = call.details.get("request_lengths")
+    if not isinstance(said, dict) or call.shape[0] != 1:
+        return False
+    queries, keys = said.get("queries"), said.get("keys")
+    if not queries or not keys:
+        return False
+    return sum(queries[1]) == call.shape[2] and sum(keys[1]) != call.shape[3]
 
 
 def stated_tokens(run, calls: list) -> np.ndarray | None:
