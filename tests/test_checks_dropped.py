@@ -605,3 +605,40 @@ def test_a_decoder_layers_self_attention_bias_is_not_dropped_by_its_cross_attent
     status, found, report = traced(tmp_path, "thumt_style_decoder_layer_self_bias_beside_encdec_bias", False, DROPPED)
     assert status == 0, report
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_block_handed_two_masks_that_passes_one_on_is_no_dropped_mask():
+    """Meta's Llama 4 reference (written blind, quiet-r89b, a false alarm): every TransformerBlock is handed both
+    global_attn_mask (additive causal) and local_attn_mask (bool, chunks of 4) and passes one on (the NoPE layers the
+    global one). The block holds the kernel's own mask under one name: the other is the mask it chose against, not one
+    dropped on the way. A block that passes neither on (SDPA with no mask) still drops them."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import maskcli
+
+    class Block(nn.Module):
+        def __init__(self, local: bool | None):
+            super().__init__()
+            self.local = local
+
+        def forward(self, x, global_attn_mask, local_attn_mask):
+            if self.local is None:
+                return F.scaled_dot_product_attention(x, x, x)  # (neither passed on)
+            mask = local_attn_mask if self.local else global_attn_mask
+            return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+    n = 8
+    causal = torch.full((n, n), float("-inf")).triu(1)
+    chunks = torch.tensor([[k // 4 == q // 4 and k <= q for k in range(n)] for q in range(n)])  # by a double loop
+    x = torch.randn(1, 2, n, 4)
+    with torch.no_grad(), maskcli.trace() as t:
+        Block(True)(x, causal, chunks)
+        Block(False)(x, causal, chunks)
+        Block(None)(x, causal, chunks)
+    local, full, none = t.calls
+    assert (local.keep()[0, 0] == chunks.numpy()).all() and (full.keep()[0, 0] == ~causal.isinf().numpy()).all()
+    found = {g.calls[0].index: [f.code for f in g.findings] for g in t.groups()}
+    assert "mask-argument-dropped" not in found[local.index] + found[full.index]
+    assert "mask-argument-dropped" in found[none.index]

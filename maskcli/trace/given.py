@@ -129,7 +129,11 @@ def handed(shape: tuple, sources: tuple, crossing: bool | None = False) -> tuple
             label = f"{code.co_name}()" if program else f"{type(frame.f_locals['self']).__name__}'s call"
             memory = crossing is not False and _takes_memory_mask(
                 getattr(type(frame.f_locals["self"]).forward, "__code__", None) if handed_on else code)
-            for name, value in handed_on or _parameters(frame, code):
+            params = handed_on or _parameters(frame, code)
+            if any(id(value) in own for _, value in params):
+                params = ()  # (the function or module holds the kernel's own mask by one name: the others it was handed
+                # beside it are the masks it chose against, Llama 4's block handed global_attn_mask and local_attn_mask)
+            for name, value in params:
                 beside = memory and name.split()[0] not in CONTEXT_MASKS
                 if id(value) in own or beside and crossing:
                     continue  # (the kernel's own mask, however it is viewed below; or, at a cross-attention, the
