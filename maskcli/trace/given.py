@@ -2,21 +2,22 @@
 
 At each attention call, the nearest program frames (the function that called the kernel and its callers, torch's
 and maskcli's left out) are looked at for a parameter named like an attention mask (NAMES, a name ending in SUFFIXES,
-such an entry of its `**kwargs`: _parameters) that holds an additive
-float mask over exactly the call's (Lq, Lk): -inf or at most -1e4 masks a cell (a bool mask's polarity is not known
-here, so it is left alone; axes of 1 between its batch and its cells are read away: MaxText's (b, 1, 1, t, s); a
-3-D (N, Lq, Lk) mask is read per head, as torch broadcasts it, and per batch row, as a program that unsqueezes it or
-adds it to scores permuted batch-first does: dropped only where the kernel keeps to neither), or
-an xformers-style block-diagonal mask object (`BlockDiagonalMask.from_seqlens`: its
-`seqlens`, or `q_seqinfo` / `k_seqinfo`'s `seqstart_py`, summing to the call's keys), read as the blocks it keeps
-(mistral-inference#218: a vision block handed the images' mask that never passed it on). Where the kernel sees a cell that mask masks, on a query row the mask leaves some key
-(a row it masks whole may be unmasked on purpose, transformers' _unmask_unattended), the call records where: the
-program's own mask was dropped on its way to the kernel (VeOmni#1051: a flash path that takes `causal` only).
-One comparison per distinct (mask tensor, kernel mask): L^2 cells, as reading the kernel's mask is.
+such an entry of its `**kwargs`: _parameters) that holds an additive float mask over exactly the call's (Lq, Lk): -inf
+or at most -1e4 masks a cell (a bool mask's polarity is not known here, so it is left alone; axes of 1 between its
+batch and its cells are read away: MaxText's (b, 1, 1, t, s); a 3-D (N, Lq, Lk) mask is read per head, as torch
+broadcasts it, and per batch row, as a program that unsqueezes it or adds it to scores permuted batch-first does:
+dropped only where the kernel keeps to neither), or an xformers-style block-diagonal mask object
+(`BlockDiagonalMask.from_seqlens`: its `seqlens`, or `q_seqinfo` / `k_seqinfo`'s `seqstart_py`, summing to the call's
+keys), read as the blocks it keeps (mistral-inference#218: a vision block handed the images' mask that never passed it
+on). Where the kernel sees a cell that mask masks, on a query row the mask leaves some key (a row it masks whole may be
+unmasked on purpose, transformers' _unmask_unattended), the call records where: the program's own mask was dropped on
+its way to the kernel (VeOmni#1051: a flash path that takes `causal` only). One comparison per distinct (mask tensor,
+kernel mask). A frame that holds the kernel's own mask is not read for the others: the masks it chose against.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -40,10 +41,8 @@ def stored(trace, seen) -> str:
     """trace._store(seen) (its key), with seen.details["dropped_mask"] set where a mask the frames handed is dropped."""
     key = trace._store(seen)
     note(seen, trace, key, trace.__dict__.setdefault("_handed", {}))
-    try:  # (a learned sink the attending module holds, which the kernel's mask has no term for: trace/heldsinks.py)
-        heldsinks.note(seen.details, trace.sites.stack, seen.api, seen.shape, seen.sources)
-    except (Exception, SystemExit):  # noqa: BLE001 - a module maskcli cannot read: the call is recorded without this
-        pass
+    with contextlib.suppress(Exception, SystemExit):  # (a learned sink the attending module holds, which the kernel's
+        heldsinks.note(seen.details, trace.sites.stack, seen.api, seen.shape, seen.sources)  # mask has no term for)
     return key
 
 
@@ -129,11 +128,8 @@ def handed(shape: tuple, sources: tuple, crossing: bool | None = False) -> tuple
             label = f"{code.co_name}()" if program else f"{type(frame.f_locals['self']).__name__}'s call"
             memory = crossing is not False and _takes_memory_mask(
                 getattr(type(frame.f_locals["self"]).forward, "__code__", None) if handed_on else code)
-            params = handed_on or _parameters(frame, code)
-            if any(id(value) in own for _, value in params):
-                params = ()  # (the function or module holds the kernel's own mask by one name: the others it was handed
-                # beside it are the masks it chose against, Llama 4's block handed global_attn_mask and local_attn_mask)
-            for name, value in params:
+            params = handed_on or _parameters(frame, code)  # (none where the frame holds the kernel's own mask: the
+            for name, value in () if any(id(v) in own for _, v in params) else params:  # rest it chose against, Llama 4)
                 beside = memory and name.split()[0] not in CONTEXT_MASKS
                 if id(value) in own or beside and crossing:
                     continue  # (the kernel's own mask, however it is viewed below; or, at a cross-attention, the
