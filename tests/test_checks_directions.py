@@ -362,3 +362,40 @@ def test_a_lookahead_mask_class_beside_the_decoder_never_handed_to_it(tmp_path):
     hit = check_bug(tmp_path, "decoder_lookahead_mask_class_never_passed", "decoder-mask-not-causal", DIRECTIONS)[0]
     assert "LookAheadMask() beside" in hit["source"] and "self_attn" in hit["message"]
     assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: k > q)
+
+
+def test_torchelie_non_causal_layer_called_once_with_is_causal(tmp_path):
+    """Vermeille/Torchelie 866bda6 (written blind, batch blind-oh; missed before, each block's SelfAttention called
+    once a forward): `is_causal=kv_cache is None or self.causal` is True without a cache, so an encoder block built
+    with causal=False ran causal. The module's own word against the flag it hands its kernel stands for a site of one
+    call too. Fix (`kv_cache is not None or self.causal`) quiet."""
+    found = check_bug(tmp_path, "torchelie_selfattention_noncausal_layer_runs_causal", "causal-but-said-not", BLIND)
+    assert found[0]["message"].startswith("blocks.0.attn's module states causal=False (SelfAttention.causal), yet its "
+                                          "sdpa is called causal (is_causal=True)")
+    assert tuple(found[0]["cell"]) == first((2, 7, 7), lambda b, q, k: k > q)  # every later key: query 0 misses key 1
+
+
+def test_an_encoder_layer_called_once_that_hands_is_causal_without_a_mask_is_found():
+    """The same slip written another way: a layer with `self.is_causal = False` whose forward takes SDPA's shortcut
+    `is_causal=mask is None` (no padding mask, run causal), one call per layer; handing is_causal=self.is_causal
+    instead is quiet."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    import maskcli
+
+    class Layer(nn.Module):
+        def __init__(self, slip: bool):
+            super().__init__()
+            self.is_causal, self.slip = False, slip
+
+        def forward(self, x, mask=None):
+            flag = mask is None if self.slip else self.is_causal
+            return F.scaled_dot_product_attention(x, x, x, attn_mask=mask, is_causal=flag)
+
+    x = torch.randn(2, 2, 5, 4)
+    for slip in (True, False):
+        with torch.no_grad(), maskcli.trace() as t:
+            Layer(slip)(x)
+        codes = [f.code for g in t.groups() for f in g.findings]
+        assert ("causal-but-said-not" in codes) is slip, codes

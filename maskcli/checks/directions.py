@@ -81,8 +81,8 @@ def causal_run_unsaid(run: Run) -> list:
     found = []
     for (where, _), calls in run.callers().items():
         said = next((call.details["module_not_causal"] for call in calls if call.details.get("module_not_causal")), None)
-        if said is None or len(calls) < 2:
-            continue  # (most sites: no module that says it is not causal)
+        if said is None:
+            continue  # (most sites: no module that says it is not causal; one call is judged by _flagged alone)
         judged = None
         if any(call.details.get("forward_causal") for call in calls):
             continue  # a forward around the module handed causal=True on some call: the direction is chosen per call
