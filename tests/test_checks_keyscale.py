@@ -54,3 +54,30 @@ def test_rotated_keys_are_quiet_and_scaled_ones_are_found():
     grown = torch.cat((turned * 1.5, torch.randn(1, 2, 1, 16)), 2)  # (6 keys, then 7: a cache that grew)
     assert keyscale.keys_rescaled(grown, tuple(grown.shape)) == {}
     keyscale.forget()
+
+
+def test_a_cache_of_unwritten_slots_is_read_without_a_warning_under_the_programs_line():
+    """mistral-inference's BufferCache is allocated with torch.empty: a masked slot may hold anything, 1e30 say. The
+    keys' reading squares them (keys_rescaled) under numpy's errstate, so no overflow warning is shown under the
+    program's attention line, as python alone shows none; the program's own numpy warns as before."""
+    import warnings
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import maskcli
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 2, 8)
+    cache = torch.randn(1, 2, 6, 8)
+    cache[:, :, 4:] = 1e30  # (unwritten slots: masked below)
+    keep = torch.tensor([[True] * 4 + [False] * 2] * 2)
+    with warnings.catch_warnings(record=True) as caught, maskcli.trace():
+        warnings.simplefilter("always")
+        for _ in range(2):  # (a site's second call over the same shape is the one its last keys are read against)
+            out = F.scaled_dot_product_attention(q, cache.clone(), cache.clone(), attn_mask=keep)
+        np.square(np.float32(1e30))  # the program's own overflow
+    assert torch.isfinite(out).all()
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert said == ["overflow encountered in square"], said

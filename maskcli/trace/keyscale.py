@@ -61,11 +61,19 @@ def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
         if last is None or k_shape[2] > last[1] or k.data_ptr() == last[0].data_ptr():
             return {}  # (the site's first call, a cache that grew: a step that appends its own keys, one buffer written in
             # place; not the query count: Hugging Face packs a GQA decode's heads into the query axis)
-        before, now = np.square(last[0].detach()[0, 0].numpy()), np.square(k.detach()[0, 0].numpy())
+        with np.errstate(all="ignore"):  # (a cache's unwritten slots, torch.empty's: whatever they hold squares to inf
+            # or NaN, which numpy would warn of under the program's line; its own numpy is left as it was)
+            before, now = np.square(last[0].detach()[0, 0].numpy()), np.square(k.detach()[0, 0].numpy())
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states no key
         return {}
     if before.shape[1] != now.shape[1]:
         return {}
+    with np.errstate(all="ignore"):
+        return _rescaled(before, now)
+
+
+def _rescaled(before: np.ndarray, now: np.ndarray) -> dict:
+    """keys_rescaled's reading of two calls' squared keys (batch row 0's first head)."""
     found = None
     for pairing in (0, 1):
         held = {key: (norm, exact) for key, norm, exact in zip(*_directions(before, pairing))}

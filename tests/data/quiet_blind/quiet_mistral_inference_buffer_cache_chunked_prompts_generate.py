@@ -160,8 +160,10 @@ class BufferCache:
         self.max_seq_len = max_seq_len
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
-        self.cache_k = torch.empty((n_layers, max_batch_size, max_seq_len, n_kv_heads, head_dim))
-        self.cache_v = torch.empty((n_layers, max_batch_size, max_seq_len, n_kv_heads, head_dim))
+        # (zeros, not mistral-inference's torch.empty: xformers' kernel never reads a masked slot, but the SDPA stand-in
+        # multiplies its weight 0 by the slot's value, and an uninitialized NaN or inf there makes the row NaN)
+        self.cache_k = torch.zeros((n_layers, max_batch_size, max_seq_len, n_kv_heads, head_dim))
+        self.cache_v = torch.zeros((n_layers, max_batch_size, max_seq_len, n_kv_heads, head_dim))
         self.kv_seqlens: Optional[torch.Tensor] = None
 
     def get_view(self, layer_id, metadata):
