@@ -1217,3 +1217,14 @@ def test_internlm_generation_mask_never_read_by_the_cached_attention(tmp_path):
     attended their padding. The fix shifts each row's positions and masks its pads."""
     hit = check_bug(tmp_path, "internlm_inference_forward_ignores_left_pad_mask", "held-mask-ignored")[0]
     assert "attention_mask in _no_beam_search_generate()" in " ".join(hit["message"].split())
+
+
+def test_a_generate_loops_mask_as_wide_as_the_prefill_by_chance_is_no_prompts_padding(tmp_path):
+    """huggingface/peft#2106 (written blind, batch blind-ok): prompt tuning's generate put 4 virtual tokens before
+    every key. At the fourth decode step the loop's attention_mask (8 prompt tokens and 4 generated) was as wide as the
+    prefill (4 virtual and 8 prompt tokens), and was read as the prompt's padding over the first 12 keys: padding-unused
+    on the fix, a false alarm. A mask is a prompt's padding over its cache only where the prefill was run with the same
+    mask. The bug (the soft prompt never added, its mask 4 too long) is still found, and the fix is quiet."""
+    found = check_bug(tmp_path, "peft_prompt_tuning_generate_empty_cache_truthy_no_injection", "padding-ignored",
+                      folder=Path(__file__).parent / "data" / "blind")
+    assert found[0]["message"].startswith("batch row 1: query 3 sees key 0"), found[0]["message"]

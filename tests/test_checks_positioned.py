@@ -454,3 +454,21 @@ def test_a_rows_positions_rise_between_its_real_queries_only():
     assert _within(seen, real, np.array([[0, 1, 2, 3, 12, 15, 15, 15]])) is None
     assert _within(seen, np.ones((1, 8), bool), np.array([[0, 1, 2, 3, 12, 13, 14, 15]])) is None
     assert _within(seen, np.ones((1, 8), bool), np.array([[0, 1, 2, 3, 12, 13, 14, 14]])) is not None
+
+
+BLIND = Path(__file__).parent / "data" / "blind"
+
+
+def test_a_multimodal_rope_step_rotated_below_its_key_count_is_no_lost_offset(tmp_path):
+    """transformers#43952's Qwen2-VL port (written blind, batch blind-oj; positions-vs-keys on its fix too, a false
+    alarm): the model call hands (4, B, 1) multimodal rope positions, and the image's tokens share positions, so the
+    second prompt's first decode step sits at 11 over 15 keys. A key count says nothing of a query's place where the
+    model call states multimodal rope positions: the fix is quiet. (Its buggy second generate, which hands (1, B, L)
+    text positions plus a stale offset, is still told positions-vs-keys, though the place it names, 14 or after, is
+    not the right one, 11: kept in tests/data/blind.)"""
+    from checkbugs import traced
+
+    name = "transformers_qwen2_vl_second_generate_reuses_stale_rope_deltas"
+    status, found, report = traced(tmp_path, name, True, BLIND)
+    assert [f for f in found if f["code"] == "positions-vs-keys"] == [], report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -73,8 +73,8 @@ def _as_keys(held: dict, ids: tuple, length: int, readings) -> dict | None:
 def _over_cache(run: Run, call, held: dict) -> dict:
     """`held`, a (B, Lp) padding mask of a prompt, laid over the first Lp keys of a step behind its cache (the keys after
     them the tokens generated since, real), where the call's site first ran a prefill of exactly Lp queries and keys
-    over as many rows (Donut's batched prompts right-padded, the decoder's mask rebuilt all ones: each generated token
-    attends the prompt's pads); else `held` as it is."""
+    over as many rows, and held the same mask (Donut's batched prompts right-padded, the decoder's mask rebuilt all
+    ones: each generated token attends the prompt's pads); else `held` as it is."""
     table, rows, k_len = held["rows"], call.shape[0], call.shape[3]
     if held["kind"] not in ("keep", "pad") or table.ndim != 2 or table.shape[0] != rows or not 1 < table.shape[1] < k_len:
         return held
@@ -83,5 +83,10 @@ def _over_cache(run: Run, call, held: dict) -> dict:
     if first is None or first.shape[0] != rows or first.shape[2] != first.shape[3] or first.shape[3] != table.shape[1] \
             or call.shape[2] == table.shape[1]:  # (as many queries as the mask's tokens: the call's own, after a memory
         return held  # of earlier segments, Compressive Transformer's: not a prompt's behind the steps generated since)
+    if not any(one.get("name") == held.get("name") and np.shape(one.get("rows")) == table.shape
+               and np.array_equal(one["rows"], table)
+               for one in [*(first.details.get("held_padding") or ()), *(first.details.get("held_top") or ())]):
+        return held  # (not the mask the prefill was run with: a generate loop's mask grown by the tokens since, as wide
+        # as the prefill by chance, PEFT's prompt tuning behind 4 virtual tokens: its tokens are the last keys')
     after = np.full((rows, k_len - table.shape[1]), held["kind"] == "keep")
     return {**held, "rows": np.concatenate([table, after], axis=1), "over_cache": table.shape[1]}

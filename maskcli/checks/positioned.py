@@ -54,6 +54,13 @@ def _positions(top) -> tuple[str, np.ndarray] | None:
     return None
 
 
+def _rope_positions(top) -> np.ndarray | None:
+    """The multimodal rope positions a model call states (trace/tops.py's `mrope_position_ids`, (C, B, L): Qwen2-VL's
+    3 rows (t, h, w), transformers' 4 with the text row first), or None."""
+    rope = top.arguments.get("mrope_position_ids")
+    return rope if isinstance(rope, np.ndarray) and rope.ndim == 3 and rope.shape[0] in (3, 4) and rope.size else None
+
+
 def _held(calls: list) -> tuple[str, np.ndarray, bool] | None:
     """(its name, int64 (rows, Lq), whether the program handed none where the model takes them) of the positions a model
     call's forward numbers its tokens at and looks up in its own position table (trace/positionsat.py: MosaicGPT's
@@ -184,6 +191,8 @@ def _rotated(run: Run, done: set) -> list:
         counts = seen.sum(axis=2)
         short = placed & (counts - 1 > most)
         top = run.top(call)
+        if top is not None and _rope_positions(top) is not None:
+            continue  # (multimodal rope: an image's tokens share positions, so no count of keys says where a query sits)
         said = None if top is None else _positions(top)
         if said is not None and said[1].shape == (batch, seen.shape[1]) and (said[1] <= most).all():
             continue  # (the table holds the positions the model call states for the step: tokens that share one, as
