@@ -787,3 +787,31 @@ def test_a_pool_of_cache_slots_an_engine_states_its_requests_over_has_no_query_o
         bare(q, k, v, keep)
     [group] = t.groups()
     assert "sees-later" in [f.code for f in group.findings]
+
+
+def test_a_sequence_the_programs_own_mask_calls_padding_whole_is_a_note_and_an_all_true_block_mask_is_wrong():
+    """mlx-audio's Irodori-TTS fix (written blind, batch blind-om; fully-masked *wrong* on it before): an empty caption
+    is masked whole, every token 0 in its `mask` (1 = real), and its caption encoder attends over nothing real. The
+    program states the sequence is padding, so the rows that see nothing are a note. A key_padding_mask of all True
+    handed where True = masked (meant: every token real) still masks everything, wrong."""
+    import torch
+    import torch.nn.functional as F
+
+    import maskcli
+
+    def encode(x, mask):  # mask: (B, L), 1 = real, as the caption encoder takes it
+        keep = mask[:, None, None, :] & mask[:, None, :, None]
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=torch.where(keep, 0.0, -1e9))
+
+    x = torch.randn(1, 2, 6, 4)
+    with torch.no_grad(), maskcli.trace() as t:
+        encode(x, torch.zeros(1, 6, dtype=torch.bool))
+    [group] = t.groups()
+    [said] = [f for f in group.findings if f.code == "fully-masked"]
+    assert said.severity == "note" and "calls every token padding" in said.message, said
+
+    mha = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+    with torch.no_grad(), maskcli.trace() as t:
+        mha(x[0], x[0], x[0], key_padding_mask=torch.ones(2, 6, dtype=torch.bool), need_weights=True)
+    codes = {(f.code, f.severity) for g in t.groups() for f in g.findings}
+    assert ("fully-masked", "wrong") in codes, codes

@@ -44,3 +44,38 @@ def test_a_prefix_block_ored_after_the_window_on_a_left_padded_batch_is_found(tm
     assert tuple(hits[0]["cell"]) == first((2, 10, 10), escaped)
     status, found, report = traced(tmp_path, "prefix_block_ored_after_sliding_window_left_padded", True, WINDOWS)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_packed_documents_under_a_stated_window_are_no_window_escaped():
+    """torchtitan's GPT-OSS (written blind, quiet-r92b, window-escaped before): a config stating sliding_window=3 on a
+    model whose full layers attend causally within packed documents (6, 4 and 8 tokens). A document's first tokens
+    see fewer keys than the window and none before them, which read as queries keeping to the window while later ones
+    saw further back. A query keeps to a window only where it sees every key within it and the query before it saw a
+    key it does not (the window slid on): no query here does, so nothing escaped a window."""
+    from dataclasses import dataclass
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import maskcli
+
+    @dataclass
+    class GptOssConfig:
+        sliding_window: int = 3
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = GptOssConfig()
+
+        def forward(self, x, docs):
+            same = docs[:, None] == docs[None, :]
+            keep = same & torch.ones(len(docs), len(docs), dtype=torch.bool).tril()
+            return F.scaled_dot_product_attention(x, x, x, attn_mask=keep)
+
+    docs = torch.tensor([0] * 6 + [1] * 4 + [2] * 8)
+    with torch.no_grad(), maskcli.trace() as t:
+        Layer()(torch.randn(1, 2, 18, 4), docs)
+    codes = [f.code for g in t.groups() for f in g.findings]
+    assert "window-escaped" not in codes, codes

@@ -16,6 +16,7 @@ from maskcli.checks.kernelrows import what_api_does
 from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
 from maskcli.checks.stages import mask_findings as mask_rows
+from maskcli.checks.rowwords import all_padding, pooled_keys
 from maskcli.checks.tiled import key_tile, tile_columns
 from maskcli.text import Finding, plane_text, spans
 
@@ -45,6 +46,9 @@ def empty_rows(call, stored: dict, structure) -> list[Finding]:
     more = int(empty.any(axis=1).sum()) - len(parts)
     who = "; ".join(parts) + (f"; and {more} more batch rows" if more > 0 else "")
     verb = "sees" if len(parts) == 1 and parts[0].startswith("query row ") and not parts[0].startswith("query rows") else "see"
+    if none.all() and call.shape[3] > 0 and not cross(call) and all_padding(call) is not None:
+        return [Finding("fully-masked", f"every query of every batch row sees no key at all: {all_padding(call)} calls "
+                        f"every token padding ({what_api_does(call)})", "note")]
     if none.all() and call.shape[3] > 0 and not cross(call):
         # every query of a self-attention, each of which may at least see itself: the mask hides all there is (an
         # all-True mask handed where True = masked), so the kernel's output is no attention the program meant; in every
@@ -154,20 +158,6 @@ def later(call, stored: dict, structure, real=None, past=None, places=None) -> l
                         "note")]
     return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
                     "a causal mask with an off-by-one, or one read the wrong way round?")]
-
-
-def pooled_keys(call) -> bool:
-    """The engine's metadata at the call states each request's new tokens and keys (trace/reqlens.py), its new tokens
-    are the call's queries, and its keys, laid one request after another, are not the call's key axis: the keys are a
-    pool of cache slots (vLLM's flex backend hands every page of its KV cache, its mask_mod mapping physical slots to
-    each request's positions), so no query has a position among those columns."""
-    said = call.details.get("request_lengths")
-    if not isinstance(said, dict) or call.shape[0] != 1:
-        return False
-    queries, keys = said.get("queries"), said.get("keys")
-    if not queries or not keys:
-        return False
-    return sum(queries[1]) == call.shape[2] and sum(keys[1]) != call.shape[3]
 
 
 def stated_tokens(run, calls: list) -> np.ndarray | None:

@@ -47,7 +47,14 @@ def window_reach(run: Run) -> list:
         beyond = (back > size)[None, None] & placed.judged  # real keys past either count of the window
         seen = np.broadcast_to(placed.seen, beyond.shape) & beyond
         reaching = beyond.any(axis=-1)  # (B, 1, Lq): real queries with a real key past the window to see
-        kept = reaching & ~seen.any(axis=-1)  # ... that see none of them: the window holds there
+        every = np.broadcast_to(placed.seen, beyond.shape)
+        slid = np.zeros(beyond.shape[:-1], dtype=bool)  # (B, 1, Lq): the query before it saw a key it does not
+        slid[..., 1:] = (every[..., :-1, :] & ~every[..., 1:, :]).any(axis=-1)
+        inside = ((back >= 0) & (back < size))[None, None] & placed.judged  # real keys within the window behind it
+        full = ~(inside & ~every).any(axis=-1)  # ... every one of them seen
+        kept = reaching & ~seen.any(axis=-1) & full & slid  # ... none past it, all within, sliding on: the window holds
+        # (a query whose keys start at a packed document's first token keeps to its document, not to a window: it misses
+        # keys within the window, or the query before it dropped none. torchtitan's full layer over packed documents)
         if not kept.any() or not seen.any():
             continue
         b, _, q, k = (int(x) for x in np.argwhere(seen)[0])
