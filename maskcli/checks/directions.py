@@ -12,7 +12,9 @@
   causal: `is_decoder=False` (or is_causal / causal False) and sdpa's `is_causal=True` or flash's `causal=True`, every
   real query seeing only the keys up to itself (OpenNMT#2464: every "self" attention, the encoder's included, took
   SDPA's `is_causal=(mask is not None)` and dropped the source padding mask). A mask the program built causal and
-  handed in is no kernel flag, and is left alone (a BERT run as an LM with a causal attention mask).
+  handed in is no kernel flag, and is left alone (a BERT run as an LM with a causal attention mask); so is a call the
+  model made through a transformers attention function handed `is_causal=True` itself (CLIP's text tower: its
+  CLIPAttention class says False, the vision tower's default, and the text model overrides it per call).
 - A decoder's self-attention over its own tokens in which a real query sees a later real key, where the program's
   own decoder class (named a decoder, in the program's files) has a causal-mask builder in its code (ESPnet's
   `subsequent_mask`, fairseq's `buffered_future_mask`, `generate_square_subsequent_mask`: trace/builders.py): the
@@ -118,6 +120,10 @@ def _flagged(run: Run, where: str, said: str, read: list) -> list:
         flag = call.details.get("is_causal") is True or "function" in call.details and call.details.get("causal") is True
         if not flag or not causal or later.any() or not missed.any():  # (sdpa's is_causal, flash_attn_func's causal)
             continue
+        if (call.details.get("hf") or {}).get("is_causal") is True:
+            continue  # (the model handed its transformers attention function is_causal=True for this call: the
+            # module's attribute is a default the model overrides per call, CLIP's text tower over a class its vision
+            # tower runs both ways)
         if call.index in explained(run):
             return []
         mb, mq, mk = first_cell(missed)
