@@ -125,3 +125,29 @@ def test_a_beam_search_rerunning_its_prefix_whose_length_meets_the_batch_size_is
                                    False, folder)
     assert [f for f in found if f["code"] == "batch-axis-attended"] == [], report
     assert status == 0, report
+
+
+def test_an_engines_flat_token_stream_beside_its_positions_is_no_batch_of_samples(tmp_path):
+    """SGLang's model call (sglang#22688's MLA chunked-prefix port, written blind, batch blind-pe: batch-axis-attended
+    on the buggy run and its fix alike, before) hands `input_ids` and `positions` of every request's tokens, one flat
+    axis: positions number tokens, so the 1-D ids are no field of one value per sample."""
+    import torch
+
+    from maskcli.trace.samplefields import sample_fields
+
+    assert sample_fields({"input_ids": torch.arange(6), "positions": torch.arange(6)}) == {}
+    assert sample_fields({"user_id": torch.arange(6), "hist": torch.zeros(6, 4)})["sample_fields"][1] == 6
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, "sglang_trtllm_mla_chunked_prefix_zero_kv_rows_stale_lse", fixed,
+                                       Path(__file__).parent / "data" / "blind")
+        assert [f for f in found if f["code"] == "batch-axis-attended"] == [], report
+
+
+def test_a_sequence_first_pass_of_one_column_and_its_first_step_alone_are_no_batch(tmp_path):
+    """pytorch/examples' word language model (quiet-r97b, written blind): nn.Transformer's encoder is sequence-first,
+    and the program checks each column's prefixes: the first step alone is one row of every argument of a longer
+    prefix, 1 key and 1 batch row as the longer one has 1 batch row. A sample's tokens as the batch rows need two of
+    them to say so."""
+    status, found, report = traced(tmp_path, "quiet_pytorch_examples_word_language_model_transformer_src_mask", False,
+                                   Path(__file__).parent / "data" / "quiet_blind")
+    assert [f for f in found if f["severity"] == "wrong"] == [] and status == 0, report

@@ -132,3 +132,26 @@ def test_left_padding_with_content_is_caught_and_right_padding_or_zeroed_states_
     assert hit.cell == (1, 3, 2)
     assert _hybrid_findings("right", zeroed=False) == []
     assert _hybrid_findings("left", zeroed=True) == []
+
+
+def test_maxtext_qwen3_next_gated_delta_conv_over_the_raw_left_padding(tmp_path):
+    """AI-Hypercomputer/maxtext#5295 (written blind, batch blind-pk; missed before tuning): Qwen3-Next's gated delta
+    layer ran its causal conv1d (kernel 4) over the raw q/k/v of a left-padded batch and zeroed the pads only after it;
+    the padding is stated by `decoder_segment_ids` (0 = padding), and the port pads by hand before a convolution that
+    pads itself (19 frames for 13 tokens). Row 1 holds 8 pads: its first real token 8 reads pad 7. The fix zeroes q/k/v
+    where the segment id is 0 first."""
+    [hit] = check_bug(tmp_path, "maxtext_qwen3_next_gdn_conv1d_left_padding_bleed", "padding-convolved-causal",
+                      Path(__file__).parent / "data" / "blind")
+    real, pad = _first_real([13, 5, 8], 13, 1)  # (rows of 13, 5 and 8 real tokens: 0, 8 and 5 pads)
+    assert tuple(hit["cell"]) == (1, real, pad) == (1, 8, 7)
+    assert "decoder_segment_ids (0 = padding)" in hit["message"]
+
+
+def test_segment_ids_short_conv_padded_twice_states_not_zeroed(tmp_path):
+    """Written another way: a short-conv mixer beside a causal attention masked by segment equality, T5X-style
+    `decoder_segment_ids`, its input padded by hand before a causal convolution that pads itself; row 1 left-padded
+    by 3, so its first real token 3 reads pad 2 (kernel 3)."""
+    [hit] = check_bug(tmp_path, "segment_ids_short_conv_padded_twice_states_not_zeroed", "padding-convolved-causal",
+                      CONVLEFT)
+    real, pad = _first_real([7, 4], 7, 1)
+    assert tuple(hit["cell"]) == (1, real, pad)

@@ -147,3 +147,16 @@ def test_a_convolution_before_the_first_attention_call_is_the_model_calls():
     assert conv["frames"] == 6
     real = (~pad_mask).sum(1).tolist()
     assert ((2, 6), tuple(real)) in conv["stated"] and real == [6, 4]
+
+
+def test_espnet_conformer_conv_module_not_handed_the_mask(tmp_path):
+    """espnet/espnet#6660 (written blind, batch blind-ou; caught before any rule changed for it): the conformer layer
+    masked its self-attention only and called `conv_module(x)` without the mask, so the depthwise convolution (kernel
+    15) reads the padded frames' biased content into the shorter utterance's last real frames; the fix zeroes them
+    first. Lengths 40 and 27: row 1's last real frame 26 reaches frames 27..26 + 15 // 2."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "espnet_conformer_conv_module_reads_padded_frames", "padding-convolved")[0]
+    last, half = 27 - 1, 15 // 2
+    assert tuple(hit["cell"]) == (1, last, last + 1)
+    assert f"real frame {last} is convolved with padded frames {last + 1}..{last + half}" in hit["message"]

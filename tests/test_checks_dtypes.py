@@ -303,3 +303,14 @@ def test_espresso_streaming_chunk_mask_added_as_bool_to_relative_position_scores
     added it to the scores: +1 on the keys it meant to hide. The fix casts it to the scores' dtype first."""
     found = check_bug(tmp_path, "espresso_chunk_streaming_bool_attn_mask_added_to_scores", "bool-added")
     assert "a bool mask (1, 12, 12) is added to the scores" in " ".join(found[0]["message"].split())
+
+
+def test_torchtext_roberta_bool_mask_masked_fill_stays_bool(tmp_path):
+    """pytorch/text#1454 (written blind, batch blind-pd; caught before any rule changed for it): torchtext's RoBERTa
+    encoder turned its bool causal mask (True = hidden) "additive" with `attn_mask.masked_fill(attn_mask, -1e8)`, which
+    keeps it bool, and `attn_weights += attn_mask` then adds 1 to every hidden key. The fix builds a float mask."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "torchtext_roberta_bool_attn_mask_masked_fill_stays_bool", "bool-added")[0]
+    tokens = 8  # (its batch's padded length: the causal mask is triu(ones(8, 8), 1).bool())
+    assert hit["message"].startswith(f"a bool mask (1, {tokens}, {tokens}) is added to the scores")

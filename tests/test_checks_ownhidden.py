@@ -83,6 +83,9 @@ def _square(length: int, sees) -> np.ndarray:
     ("a graph's adjacency without self-loops", lambda q, k: abs(q - k) in (1, 3)),
     ("a key mask alone", lambda q, k: k >= 2),
     ("causal", lambda q, k: k <= q),
+    # (RetroMAE's enhanced decoder, quiet-r94a: each position hides its own token and a sample of whole words, drawn
+    # per position; query 0 hides itself alone between keys it sees)
+    ("its own token and a sample of words per position", lambda q, k: k != q and (k - q) % 6 not in (3, 4)),
 ])
 def test_masks_that_hide_a_querys_own_token_on_purpose_are_left_alone(name, sees):
     cells = _square(6, sees)

@@ -124,3 +124,16 @@ def test_haerae_hf_backend_batched_generate_right_padded_prompts(tmp_path):
 
     hit = check_bug(tmp_path, "haerae_hf_backend_batched_generate_right_padded_prompts", "continued-from-padding")[0]
     assert "the first decode step's query (position 53)" in " ".join(hit["message"].split())
+
+
+def test_unsloth_vision_padding_side_set_on_the_processor_only(tmp_path):
+    """unslothai/unsloth#1384 (written blind, batch blind-os; caught before any rule changed for it): the inference
+    padding side was set on the processor object, so its text tokenizer still padded on the right and a batched
+    generate continued the shorter prompt after its pads. The fix sets it on the tokenizer too."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "unsloth_vision_processor_padding_side_set_on_processor_not_tokenizer",
+                    "continued-from-padding")[0]
+    b, query, last = hit["cell"]
+    assert (query, last) == (query, query - 1)  # (the first decode step sits right after the prompt's last column)
+    assert f"the first decode step's query (position {query})" in " ".join(hit["message"].split())

@@ -293,3 +293,15 @@ def test_a_pairwise_reward_read_off_a_span_ending_at_the_longer_answer(tmp_path)
     hits = check_bug(tmp_path, "pairwise_reward_truncated_span_last_element_of_the_longer_answer", "pooled-at-padding",
                      POOLPAD)
     assert tuple(hits[0]["cell"]) == (1, 7, 7), hits
+
+
+def test_gpt_neox_sequence_classification_pools_at_the_pad_count_on_left_padding(tmp_path):
+    """huggingface/transformers#24979 (written blind, batch blind-ow; caught before any rule changed for it):
+    GPTNeoXForSequenceClassification scored each row at `ne(input_ids, pad).sum(-1) - 1`, the last real token only
+    under right padding. Row 2 holds 7 real tokens after 8 pads (columns 8-14), so it is read at 7 - 1 = 6, a pad. The
+    fix (the first pad's index - 1, wrapping to the last column) is quiet."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "transformers_gpt_neox_seqcls_left_padded_pools_at_pad_count", "pooled-at-padding")[0]
+    pads, real = 8, 7
+    assert tuple(hit["cell"]) == (2, real - 1, real - 1) and real - 1 < pads

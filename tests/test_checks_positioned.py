@@ -472,3 +472,31 @@ def test_a_multimodal_rope_step_rotated_below_its_key_count_is_no_lost_offset(tm
     status, found, report = traced(tmp_path, name, True, BLIND)
     assert [f for f in found if f["code"] == "positions-vs-keys"] == [], report
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_transformers_chunked_prefill_positions_from_cache_position(tmp_path):
+    """transformers#43132 (written blind, batch blind-oo; missed before tuning): generate's chunked prefill handed each
+    chunk `cache_position` for its position_ids, counting a left-padded row's 5 pads, where the decode steps number
+    from the attention mask. Row 1's last chunk ends at position 9 over 5 real keys; its first decode step sees those
+    and one more at position 5: the two steps number the row two ways. The fix (positions from the mask, sliced per
+    chunk) is quiet."""
+    hit = check_bug(tmp_path, "transformers_generate_chunked_prefill_position_ids_from_cache_position",
+                    "positions-vs-keys", BLIND)[0]
+    assert hit["message"].startswith("batch row 1: query 0 sees one key more than the site's previous step's last "
+                                     "query (at position 9), yet its position is 5, not 10: the previous step's "
+                                     "positions count the row's 5 padding keys")
+    assert hit["expected"] == "one numbering: position 10 here, or 4 for the previous step's last query"
+
+
+def test_chunked_prefill_positions_from_slots_then_decode_from_the_mask(tmp_path):
+    """Written another way: a hand-rolled loop over a GPT-2-style model (a learned position table, eager softmax, a
+    torch.cat cache) prefilling a left-padded batch in chunks of 4 numbered by cache slot, then decoding from
+    `attention_mask.sum(-1) - 1`. Row 1 (3 pads, 4 real tokens) ends its prefill at slot 6, position 6, over 4 real
+    keys; its first decode step is handed 4 = 5 real tokens - 1."""
+    hit = check_bug(tmp_path, "chunked_prefill_positions_from_slots_decode_from_mask", "positions-vs-keys",
+                    POSITIONS)[0]
+    pads, real, width = 3, 4, 7
+    last_prefill = width - 1  # slot numbering: the last prompt token's cache slot
+    first_decode = real + 1 - 1  # attention_mask.sum(-1) - 1 after the new token's 1
+    assert f"(at position {last_prefill}), yet its position is {first_decode}, not {last_prefill + 1}" in hit["message"]
+    assert f"count the row's {pads} padding keys" in hit["message"]

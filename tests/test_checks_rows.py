@@ -815,3 +815,20 @@ def test_a_sequence_the_programs_own_mask_calls_padding_whole_is_a_note_and_an_a
         mha(x[0], x[0], x[0], key_padding_mask=torch.ones(2, 6, dtype=torch.bool), need_weights=True)
     codes = {(f.code, f.severity) for g in t.groups() for f in g.findings}
     assert ("fully-masked", "wrong") in codes, codes
+
+
+def test_sd_scripts_lumina_noise_refiner_image_mask_never_filled(tmp_path):
+    """kohya-ss/sd-scripts d94bed64 (written blind, batch blind-ov; caught before any rule changed for it): NextDiT's
+    noise refiner got `torch.zeros(..., dtype=torch.bool)` for its image tokens' mask, never filled, so SDPA gave every
+    image token 0 from the refiner's attention. The fix sets each sample's image tokens True."""
+    [hit, *_] = check_bug(tmp_path, "sd_scripts_lumina_nextdit_noise_refiner_image_mask_all_false", "fully-masked")
+    assert "every query of every batch row sees no key at all" in hit["message"]
+
+
+def test_attention_gym_paged_mask_mod_reads_the_block_masks_batch_row(tmp_path):
+    """meta-pytorch/attention-gym#190 (written blind, batch blind-ot; caught before any rule changed for it, with an
+    unwritten-slot false alarm on its fix then): the converted mask_mod looked the page map up by the block mask's own
+    batch index, so a request prefilled in slot 1 read slot 0's page map and saw none of its own keys. The fix, whose
+    requests sit on pages of one pool (slot j no position j), is quiet."""
+    hits = check_bug(tmp_path, "attention_gym_paged_mask_mod_page_map_row_from_block_mask_batch", "fully-masked")
+    assert all("every query of every batch row sees no key at all" in hit["message"] for hit in hits)

@@ -72,3 +72,13 @@ def test_transformers_llama_decoded_by_hand_with_zeros_appended(tmp_path):
     quiet."""
     hits = check_bug(tmp_path, "hf_llama_loop_mask_not_extended", "own-token-masked", ROWS, ("--zeros",))
     assert "at position 5, but its attention_mask marks position 5 padding (0)" in hits[0]["message"]
+
+
+def test_cosyvoice2_one_step_mask_covers_the_new_token_only(tmp_path):
+    """filliptm/ComfyUI_FL-CosyVoice3#7 (written blind, batch blind-pc; caught before any rule changed for it):
+    CosyVoice 2's speech LM handed each cached step `masks[:, -1, :]` of a mask over its own input only, one column
+    where the cache holds the prompt; transformers read the missing columns as padding. The fix hands a mask as long as
+    the cache and the new token."""
+    from checkbugs import check_bug
+
+    check_bug(tmp_path, "cosyvoice2_qwen2lm_forward_one_step_mask_covers_new_token_only", "attention-mask-short")

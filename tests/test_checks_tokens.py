@@ -740,3 +740,22 @@ def test_moss_collate_mask_cast_from_the_padded_ids(tmp_path):
     of id 0 was masked, though the loss trains on it. The fix pads each sample's own all-ones mask with 0."""
     hit = check_bug(tmp_path, "moss_sft_collate_mask_from_input_ids", "trained-token-masked")[0]
     assert "a token the program's loss trains on" in " ".join(hit["message"].split())
+
+
+def test_avex_collater_mask_true_on_the_audio_handed_to_beats(tmp_path):
+    """earthspecies/avex 2006604 (written blind, batch blind-or; caught before any rule changed for it): the collater's
+    `pad_or_window` returned True on the real audio, and BEATs reads True as padding; the fix inverts it. Row 0 is a
+    0.45 s clip zero-padded to 1 s at 16 kHz, so its padding_mask calls its (1 - 0.45) * 16000 zero samples real."""
+    hit = check_bug(tmp_path, "avex_collater_pad_or_window_mask_true_on_audio_beats", "padding-inverted")[0]
+    zeros = round((1 - 0.45) * 16000)
+    assert f"(batch row 0: {zeros} zero positions called real)" in " ".join(hit["message"].split())
+
+
+def test_pytorch_transformers_run_squad_segment_ids_fed_as_attention_mask(tmp_path):
+    """huggingface/transformers#800 (written blind, batch blind-pf; caught before any rule changed for it): run_squad's
+    TensorDataset held (input_ids, input_mask, segment_ids, ...) and train() / evaluate() read batch[1] as
+    token_type_ids and batch[2] as attention_mask, so BERT attended through its segment ids: [CLS], the question and its
+    [SEP] (segment 0) hidden from every token. Key 0 is [CLS], no pad. The fix reads them the right way round."""
+    hit = check_bug(tmp_path, "pytorch_transformers_run_squad_segment_ids_fed_as_attention_mask", "real-tokens-masked")[0]
+    assert tuple(hit["cell"]) == (0, 0, 0)
+    assert "marks padding, but its id is not the model's pad id (0)" in " ".join(hit["message"].split())

@@ -175,8 +175,9 @@ def _run_alone(run: Run) -> list:
             rows, k_len = call.shape[0], call.shape[3]  # whose keys grow, a beam search re-running its prefix, has
             turn = seen[call.where] = seen.get(call.where, -1) + 1  # 1 key at its first turn, 4 at its fourth)
             there = alone[call.where][turn] if turn < len(alone.get(call.where, ())) else None
-            if k_len != samples or rows == samples or there is None or there[3] != 1 or there[0] != rows:
-                continue
+            if k_len != samples or rows == samples or rows < 2 or there is None or there[3] != 1 or there[0] != rows:
+                continue  # (one batch row alone: a sequence-first pass of one column, its first step run alone, has 1 key
+                # and 1 row too; a sample's tokens as the rows need two to say so: pytorch/examples' word LM)
             found += _across(call, f"the {samples} samples given to {top.where} (the program runs sample {sample} "
                              f"alone, every tensor argument one row of the batch's, and there this site has 1 key and "
                              f"the same {rows} batch rows)", "attention over each sample's own tokens, as in its run "

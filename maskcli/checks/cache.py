@@ -121,6 +121,8 @@ def _unwritten(run: Run) -> list:
         real = resolve(call, top, by_row(cells, rows)).queries  # (B, Lq): a padding query's row is unmasked whole on
         if cells.shape[0] == 1 and (real == real[:1]).all():  # purpose (no NaN); a mask broadcast over the batch
             real = real[:1]  # rows is counted once, as stored
+        if call.where in pooled(run):
+            continue
         stop = _appended(cells, real, positions, end)
         bad = cells[..., end:stop] & real[:, None, :, None]
         if bad.any():
@@ -130,6 +132,27 @@ def _unwritten(run: Run) -> list:
                 f"query {query} sees cache slot {end + k} of {k_len}, which holds no key yet: this call's cache holds "
                 f"positions up to {end - 1} ({said}); {count} such cell{'s' if count > 1 else ''}"),
                 expected=f"no key past slot {end - 1}", source=f"{said} of {top.where}", cell=(b, query, end + k))))
+    return found
+
+
+def pooled(run: Run) -> set:
+    """The call sites whose keys are a pool of slots the requests share, no batch row's own buffer: at some call two
+    batch rows that attend see no slot in common (attention-gym's PagedAttention, each request on its own pages of
+    one buffer). A static cache gives each row its own buffer, slot j position j, so rows see the same first slots
+    (padding aside); in a pool the positions a call writes number no slot."""
+    held = run.__dict__.get("_pooled")
+    if held is not None and held[0] == (id(run.calls), len(run.calls)):
+        return held[1]
+    found = set()
+    for call in run.calls:
+        if call.shape[0] < 2 or call.where in found or (cells := keep(call)) is None or cells.shape[0] < 2:
+            continue
+        seen = cells[:16].any(axis=(1, 2)).astype(np.int64)  # (B, Lk): the slots each row sees
+        shared = seen @ seen.T
+        attending = seen.any(axis=1)
+        if ((shared == 0) & attending[:, None] & attending[None, :]).any():
+            found.add(call.where)
+    run.__dict__["_pooled"] = ((id(run.calls), len(run.calls)), found)
     return found
 
 

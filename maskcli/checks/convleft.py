@@ -16,7 +16,9 @@ self-attention, the last Lq of them the call's own tokens; the call's attention 
 query of the row too (the program applies its mask that way). A convolution of the same model call over the same
 rows is read where it runs over the call's own tokens causally (trace/convpad.py: its input's own padding K - 1 on
 the left, output trimmed, over Lq frames; or no padding over Lq + (K - 1) x dilation frames, the cached states or
-zeros put before them): a real token whose taps read a padded token whose frame is not all zero is wrong. Quiet where
+zeros put before them; or zeros over more frames than that before them in every row, the output's last Lq frames
+the tokens', MaxText's port padding by hand before a convolution that pads itself): a real token whose taps read a
+padded token whose frame is not all zero is wrong. Quiet where
 the padded frames are zero, on right padding (no real token comes after it), where no padding is stated, on
 convolutions that read later frames (checks/convpad.py) or of other lengths.
 """
@@ -38,6 +40,11 @@ def _frames(conv: dict, q_len: int) -> int | None:
         return 0  # (its own zero padding on the left, the output trimmed to the tokens)
     if conv["padding"] == 0 and conv["reach"] == span and conv["frames"] == q_len + span:
         return span  # (the cached states, or zeros, put before the tokens by the program)
+    before = conv["frames"] - q_len
+    if conv["padding"] == 0 and conv["reach"] == span and before > span and conv.get("zeros") \
+            and all(runs and runs[0][0] == 0 and runs[0][1] >= before for runs in conv["zeros"]):
+        return before  # (zeros put before the tokens more than once, MaxText's port padding by hand before a convolution
+        # that pads itself: the output's last Lq frames are the tokens', each reading the span before it)
     return None
 
 

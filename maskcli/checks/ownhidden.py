@@ -10,7 +10,9 @@ reads True = attend, so DN-DETR's denoising groups see every group but their own
 sees the tokens three places back and not itself). Quiet where the mask hides a query's own token on purpose and
 nothing else marks it: each query's kept keys with its own are one run (a strictly causal mask, PixelSNAIL's first
 block; leave-one-out attention, SAITS's diagonal masking, padded or not), the mask is symmetric (a graph's adjacency
-without self-loops), or every query sees the same keys (a key mask alone, whatever its lengths). Judged only where the
+without self-loops), or every query sees the same keys (a key mask alone, whatever its lengths), or some judged query
+hides its own token alone, seeing the real keys beside it (a token taken out on purpose: RetroMAE's enhanced
+decoder hides each position's own token and a sample of whole words; a mislaid mask hides a run around the token). Judged only where the
 queries' places are known: as many queries as keys, positions the run states, or keys before the queries that every
 attending query sees (a memory or sink prefix), or keys that end with the queries' own (a cache, a segment's memory);
 never on cross-attention, nor where the cells read as hidden are hidden by other scores, not a mask (graphormer-pyg's
@@ -72,7 +74,7 @@ def _read(call, top, folded: np.ndarray, cached: bool) -> Finding | None:
     starts = (with_own[:, :, 1:] & ~with_own[:, :, :-1]).sum(axis=-1) + with_own[:, :, 0]
     seen_by_some = folded.any(axis=1)[:, own]  # (b, Lq): the query's own key is some query's key (not padding)
     apart = (starts > 1) & attending & seen_by_some
-    if not apart.any():
+    if not apart.any() or _alone(folded, own, apart):
         return None
     b, q = (int(i) for i in np.argwhere(apart)[0])
     keys = np.flatnonzero(folded[b, q])
@@ -83,6 +85,21 @@ def _read(call, top, folded: np.ndarray, cached: bool) -> Finding | None:
         f"laid off the tokens, read the other way round (True = masked handed where True = attend is read?) or its key "
         f"positions shifted"), expected="each query sees its own token", source="a self-attention's own keys",
         cell=(b, q, int(own[q])))
+
+
+def _alone(folded: np.ndarray, own: np.ndarray, apart: np.ndarray) -> bool:
+    """Some judged query hides its own key alone: each key beside it that some query of its row sees (a real token),
+    it sees. A mask read the other way round or shifted hides what the meant mask kept around the token, a run with
+    its neighbours (a window, a group, a causal prefix); one that takes a query's own token out between keys it keeps
+    means to (RetroMAE's enhanced decoder: each position hides its own token and a sample of whole words)."""
+    k_len = folded.shape[2]
+    real = folded.any(axis=1)  # (b, Lk)
+    for b, q in np.argwhere(apart):
+        k = int(own[q])
+        beside = [j for j in (k - 1, k + 1) if 0 <= j < k_len and real[b, j]]
+        if beside and all(folded[b, q, j] for j in beside):
+            return True
+    return False
 
 
 def _numbered_from(folded: np.ndarray, own: np.ndarray, attending: np.ndarray) -> bool:

@@ -7,6 +7,7 @@ covers the prompt's varied ids. The ids may be one longer than the mask (an auto
 `x[:, :-1]` and is handed the mask of those inputs: x-transformers' AutoregressiveWrapper), read at the mask's own
 columns from either end. A mask named for the input it pads (`input_boxes_mask` beside `input_boxes`: trace/padded.py's
 `input_mask`, one id per distinct box) says it is that input's padding by its name: every row may be padded there.
+Segment ids as T5X and MaxText hand them (`decoder_segment_ids`, 0 for a pad) state the padding too.
 """
 
 from __future__ import annotations
@@ -49,3 +50,18 @@ def named_padding(arguments: dict, rows: int, length: int) -> tuple[np.ndarray, 
     if not isinstance(said, tuple) or said[2].shape != (rows, length) or not ids_padding(said[2], said[3], True):
         return None
     return said[2] == 1, f"{said[0]} (its 0s exactly where `{said[1]}` holds one pad value)"
+
+
+ZERO_SEGMENTS = ("decoder_segment_ids", "encoder_segment_ids")  # T5X's and MaxText's: each token's sequence, 0 = padding
+
+
+def segment_padding(arguments: dict, rows: int, length: int, edge) -> list:
+    """[(bool (rows, length) real tokens, words)] of the segment ids a model call was handed as T5X and MaxText name
+    them, 0 for a pad (`decoder_segment_ids`), where their 0s are one run at an edge of each row (`edge`, real.py's)."""
+    found = []
+    for name in ZERO_SEGMENTS:
+        given = arguments.get(name)
+        if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape == (rows, length) \
+                and given.dtype.kind in "iu" and given.min() >= 0 and edge(given == 0):
+            found.append((given != 0, f"{name} (0 = padding)"))
+    return found

@@ -40,6 +40,7 @@ import numpy as np
 from maskcli.checks.context import Run, keep
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
+from maskcli.checks.renumbered import follows, mark, why as renumbered
 from maskcli.text import Finding
 
 NAMES = ("position_ids", "positions", "pos")
@@ -352,21 +353,25 @@ def check(run: Run) -> list:
                             "query of this site saw exactly its position's: keys of tokens no longer in the sequence "
                             "stay in the cache (rejected draft tokens not rolled back?)"),
                             expected=f"{int(placed_at[b, q]) + 1} keys", source=source, cell=None)))
-                    elif before is not None and n == before[1] + 1 and p != before[0] + 1:
+                    elif before is not None and n == before[1] + 1 and p != before[0] + 1 \
+                            and (before[2] or follows(before, seen[b, first], call.shape[0])):
                         done.add(where)
                         pads = int(np.argmax(seen[b, first]))  # (the keys before the row's first seen: its left padding)
-                        why = (f"it counts the row's {pads} padding keys before its first real one (the left padding "
-                               "not subtracted at this step?)" if pads and p - before[0] - 1 == pads else
-                               "the position is ahead of the keys it writes (advanced before the forward?)" if p > before[0]
-                               else "keys of tokens no longer in the sequence stay in the cache (not rolled back?)")
+                        two = renumbered(before, p, pads)
+                        why = two or (f"it counts the row's {pads} padding keys before its first real one (the left "
+                                      "padding not subtracted at this step?)" if pads and p - before[0] - 1 == pads else
+                                      "the position is ahead of the keys it writes (advanced before the forward?)"
+                                      if p > before[0] else
+                                      "keys of tokens no longer in the sequence stay in the cache (not rolled back?)")
                         found.append((call, Finding("positions-vs-keys", (
                             f"batch row {b}: query {first} sees one key more than the site's previous step's last query "
                             f"(at position {before[0]}), yet its position is {p}, not {before[0] + 1}: {why}"),
-                            expected=f"position {before[0] + 1}", source=source, cell=None)))
-                    if placed_at[b, end] + 1 == counts[b, end]:  # (a step to compare the next against: its last
-                        last[(where, row)] = (int(placed_at[b, end]), int(counts[b, end]))  # query counts its keys)
-                    else:  # (one whose keys its position does not count, a window's or a wrong mask's, is no measure)
-                        last.pop((where, row), None)
+                            expected=f"position {before[0] + 1}" if two is None else
+                            f"one numbering: position {before[0] + 1} here, or {p - 1} for the previous step's last query",
+                            source=source, cell=None)))
+                    last[(where, row)] = mark(int(placed_at[b, end]), int(counts[b, end]), call.shape[0], seen[b, end])
+                    # (a step to compare the next against; one whose last query's position does not count its keys is
+                    # read only by a next step that sees its keys and one more: checks/renumbered.py)
                 if placed.any():
                     counted[where] = counted.get(where, True) and bool((good == placed).all())
     return found

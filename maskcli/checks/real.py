@@ -32,7 +32,7 @@ from maskcli.checks.context import keep, queries, real_queries, runs
 from maskcli.checks.padvalue import padded_with_id
 from maskcli.checks.placing import positions_said
 from maskcli.checks.idspositions import positions_padding
-from maskcli.checks.plainpad import ids_padding, named_padding
+from maskcli.checks.plainpad import ids_padding, named_padding, segment_padding
 from maskcli.checks.realfold import folded
 
 PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
@@ -180,9 +180,8 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
             (_edge(at_pad) or sure and _static(at_pad)) and (not by or _on_side(at_pad, arguments.get("padding_side")))
             or _prompt_and_completion(at_pad, arguments.get("padding_side"))):  # (a mask given wins)
         found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}{by}{folded}", sure))
-    named = named_padding(arguments, rows, length)
-    if named is not None:
-        found.append((named[0], named[1], True))
+    found += [(*named, True)] if (named := named_padding(arguments, rows, length)) is not None else []
+    found += [(real, words, True) for real, words in segment_padding(arguments, rows, length, _edge)]
     placed = positions_padding(tokens, arguments.get("position_ids")) if not found and tokens is not None else None
     if placed is not None:  # (the ids' run of one id where the positions stay put: idspositions.py)
         found.append((placed[0], f"input ids padded with {placed[1]} where their position_ids stay put{folded}", True))

@@ -23,7 +23,8 @@ FIELD = "shift_size"
 FRAMES = 6  # program frames searched for the block's forward
 _ASSIGNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its shift_size as last assigned
 WRITES = [0]  # tensors (or a tuple of them) assigned to a module's attribute while tracing: state a call keeps for the
-# next (a K/V cache held by the module, TabPFN's _k_cache), counted; checks/continued.py reads it between two calls
+# next (a K/V cache held by the module, TabPFN's _k_cache), counted; checks/continued.py reads it between two calls.
+# An attribute named as a mask is not counted: a mask the module keeps for its next call of that length
 
 
 _ACTIVE = [0]  # traces running now (nested ones count): the wrapper records only while one does
@@ -59,8 +60,9 @@ def _install() -> None:
                     _ASSIGNED[self] = _pair(value)
                 except TypeError:  # (a module that cannot be weakly referred to: not kept)
                     pass
-            elif type(value) is torch.Tensor or type(value) is tuple and value and type(value[0]) is torch.Tensor:
-                WRITES[0] += 1
+            elif (type(value) is torch.Tensor or type(value) is tuple and value and type(value[0]) is torch.Tensor) \
+                    and "mask" not in name.lower():  # (a mask kept for the next call of its length, pytorch/examples'
+                WRITES[0] += 1  # `self.src_mask`, is made of the length, not of what the call computed)
         original(self, name, value)
 
     __setattr__.__qualname__, __setattr__.__doc__ = original.__qualname__, original.__doc__

@@ -2,7 +2,9 @@
 (B, L)), or tensor arguments handed one by one, all of one first axis, one of them a value per sample.
 
 A 1-D field of B values beside 2-D fields of B rows (a user id, a target item, a label, a dense feature per sample)
-states that the first axis of every field is the batch: a field of one value per row has no other axis to be. How
+states that the first axis of every field is the batch: a field of one value per row has no other axis to be. Not
+beside 1-D positions of the same length: positions number tokens, so those elements are a flat stream of tokens (an
+engine's `input_ids` and `positions`). How
 many tokens a sample's fields can make (each 1-D field one, each 2-D field its width) bounds the length of a sequence
 built of them (checks/batchaxis.py reads it). Shapes only, read once per model call: nothing is copied.
 """
@@ -34,5 +36,9 @@ def sample_fields(given: dict) -> dict:
         return {}
     if not any(value.dim() == 1 and not any(word in name.lower() for word in NOT_SAMPLES) for name, value in fields):
         return {}
+    if any(value.dim() == 1 and name.lower().rsplit("]", 1)[0].endswith(("position", "positions", "pos", "position_ids"))
+           for name, value in fields):
+        return {}  # (1-D positions of as many elements: each element is a token, a flat stream of them, not a sample:
+        # an engine's `input_ids` and `positions` of every request's tokens, SGLang's and vLLM's model calls)
     widths = tuple(1 if value.dim() == 1 else int(value.shape[1]) for _, value in fields)
     return {"sample_fields": (tuple(name for name, _ in fields), int(samples), widths)}

@@ -41,6 +41,7 @@ import maskcli.trace.pairedids as pairedids
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
              "segment_ids",  # (each token's packed document, as JAX stacks name it: checks/varlen.py)
+             "decoder_segment_ids", "encoder_segment_ids",  # (T5X's and MaxText's, 0 = padding: checks/real.py)
              "cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k",  # flash's, transformers' CB
              "cu_window_seqlens",  # (Qwen2.5-VL's vision window segments beside its image ones: checks/fullblocks.py)
              "grid_thw", "image_grid_thw", "video_grid_thw",  # a vision tower's items, (t, h, w) patches each: checks/items.py

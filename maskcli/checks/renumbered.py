@@ -1,0 +1,45 @@
+"""Two steps of one call site that number one row's tokens two ways (positions-vs-keys, checks/positioned.py).
+
+A row's first query at a cached step that sees every key the row's last query of the site's previous step saw, and
+one more (its own: the cache grew by that token, nothing dropped), is that token's successor, wherever either step
+put the row's padding: its position is the other's plus one. positioned.py holds a step to the one before only where
+that one's last query sat at as many positions as it saw keys; this reads the rest, where the previous step numbered
+its tokens otherwise than its keys count (padding counted, or a prefix, a soft prompt) and the next step numbers
+them the other way: the two steps disagree, so rotary or learned position embeddings place the cached tokens and the
+new ones on two scales (transformers#43132: generate's chunked prefill handed each chunk `cache_position` for its
+`position_ids`, counting a left-padded row's pads, where the decode steps number from the attention mask).
+Only over the same batch rows (a loop that drops finished rows renumbers its rows), and only where the later query
+sees the earlier one's keys, all of them, in the same columns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def mark(position: int, count: int, batch: int, seen: np.ndarray) -> tuple:
+    """What a step's last real query of a row leaves for the next step: (position, keys seen, whether its position
+    counts its keys, the step's batch rows, bool (Lk,) the keys it sees)."""
+    return position, count, position + 1 == count, batch, seen.copy()
+
+
+def follows(before: tuple, seen: np.ndarray, batch: int) -> bool:
+    """The next step's first query of the row (bool (Lk,) the keys it sees) sees the keys `before`'s query saw, in the
+    same columns, and one more, over as many batch rows."""
+    old = before[4]
+    return (before[2] or batch == before[3]) and seen.shape[0] > old.shape[0] and bool((seen[:old.shape[0]] >= old).all()) \
+        and int(seen.sum()) == int(old.sum()) + 1
+
+
+def why(before: tuple, position: int, pads: int) -> str | None:
+    """The cause said where the previous step's position did not count its keys (None where it did: positioned.py's
+    own words): its positions counted the row's padding keys, or more tokens than it saw, and this step's do not."""
+    if before[2]:
+        return None
+    ahead = before[0] + 1 - before[1]
+    counted = (f"the row's {pads} padding keys before its first real one" if pads and ahead == pads else
+               f"{ahead} tokens more than the {before[1]} keys its last query saw" if ahead > 0 else
+               f"{-ahead} tokens fewer than the {before[1]} keys its last query saw")
+    return (f"the previous step's positions count {counted}, this step's "
+            f"{'do not' if position + 1 == before[1] + 1 else 'count otherwise'}: the two steps number the row's tokens "
+            "on two scales (positions taken from the cache's slots at one step and from the attention mask at the other?)")
