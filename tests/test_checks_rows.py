@@ -792,23 +792,32 @@ def test_a_pool_of_cache_slots_an_engine_states_its_requests_over_has_no_query_o
 def test_a_sequence_the_programs_own_mask_calls_padding_whole_is_a_note_and_an_all_true_block_mask_is_wrong():
     """mlx-audio's Irodori-TTS fix (written blind, batch blind-om; fully-masked *wrong* on it before): an empty caption
     is masked whole, every token 0 in its `mask` (1 = real), and its caption encoder attends over nothing real. The
-    program states the sequence is padding, so the rows that see nothing are a note. A key_padding_mask of all True
-    handed where True = masked (meant: every token real) still masks everything, wrong."""
+    program states the sequence is padding, and its ids (a BOS, then pad ids) bear it out, so the rows that see nothing
+    are a note; over ids that are text the same mask is wrong. A key_padding_mask of all True handed where True = masked
+    (meant: every token real) still masks everything, wrong."""
     import torch
     import torch.nn.functional as F
 
     import maskcli
 
-    def encode(x, mask):  # mask: (B, L), 1 = real, as the caption encoder takes it
+    def encode(x, input_ids, mask):  # mask: (B, L), 1 = real, as the caption encoder takes it
         keep = mask[:, None, None, :] & mask[:, None, :, None]
         return F.scaled_dot_product_attention(x, x, x, attn_mask=torch.where(keep, 0.0, -1e9))
 
     x = torch.randn(1, 2, 6, 4)
+    empty = torch.tensor([[1, 0, 0, 0, 0, 0]])  # (an empty caption: BOS, then the pad id)
     with torch.no_grad(), maskcli.trace() as t:
-        encode(x, torch.zeros(1, 6, dtype=torch.bool))
+        encode(x, empty, torch.zeros(1, 6, dtype=torch.bool))
     [group] = t.groups()
     [said] = [f for f in group.findings if f.code == "fully-masked"]
     assert said.severity == "note" and "calls every token padding" in said.message, said
+
+    # the same mask, 0 everywhere, over ids that are text (PaLM-rlhf's encoder `mask = x < 0` read as a keep mask): the
+    # mask alone says nothing of its polarity, and the tokens are real
+    with torch.no_grad(), maskcli.trace() as t:
+        encode(x, torch.tensor([[5, 9, 3, 7, 2, 8]]), torch.zeros(1, 6, dtype=torch.bool))
+    [group] = t.groups()
+    assert [f.severity for f in group.findings if f.code == "fully-masked"] == ["wrong"]
 
     mha = torch.nn.MultiheadAttention(4, 2, batch_first=True)
     with torch.no_grad(), maskcli.trace() as t:

@@ -23,9 +23,8 @@ from maskcli.text import Finding, plane_text, spans
 MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
 
 
-def empty_rows(call, stored: dict, structure, run=None) -> list[Finding]:
-    """A trace group's query rows that see no key, with what its API makes of them (`run`: the trace's, where the
-    program's padding statements at its other calls are read)."""
+def empty_rows(call, stored: dict, structure) -> list[Finding]:
+    """A trace group's query rows that see no key, with what its API makes of them."""
     # rows the kernel gives 0 are routine (left padding); NaN out of a softmax of the program's own may be zeroed by
     # the program after it (CPM-Ant's masked_fill(score, ~mask, 0)), which a trace does not see: suspicious there
     severity = "note" if "NaN" not in what_api_does(call) else "suspicious" if call.api == "softmax" else "wrong"
@@ -47,7 +46,7 @@ def empty_rows(call, stored: dict, structure, run=None) -> list[Finding]:
     more = int(empty.any(axis=1).sum()) - len(parts)
     who = "; ".join(parts) + (f"; and {more} more batch rows" if more > 0 else "")
     verb = "sees" if len(parts) == 1 and parts[0].startswith("query row ") and not parts[0].startswith("query rows") else "see"
-    if none.all() and call.shape[3] > 0 and not cross(call) and (said := all_padding(call, run)) is not None:
+    if none.all() and call.shape[3] > 0 and not cross(call) and (said := all_padding(call)) is not None:
         return [Finding("fully-masked", f"every query of every batch row sees no key at all: {said} calls "
                         f"every token padding ({what_api_does(call)})", "note")]
     if none.all() and call.shape[3] > 0 and not cross(call):
@@ -366,7 +365,7 @@ def tensor_rows(a, _heads=None) -> list[Finding]:
 def group_cells(g) -> list[Finding]:
     """A trace group's rows (checks/grouped.py): those that see no key, then those that see later keys (read off the
     rows, so not where the mask was kept as counts only)."""
-    found = empty_rows(g.first, g.stored, g.structure, g.run)
+    found = empty_rows(g.first, g.stored, g.structure)
     if g.stored["form"] != "stats":
         found += later(g.first, g.stored, g.structure, g.real, lambda: g.past, lambda: g.places)
     return found

@@ -20,29 +20,27 @@ def pooled_keys(call) -> bool:
     return sum(queries[1]) == call.shape[2] and sum(keys[1]) != call.shape[3]
 
 
-def all_padding(call, run=None) -> str | None:
+def all_padding(call) -> str | None:
     """The padding mask (1 = real) a frame holds over exactly the call's keys, where it is 0 for every token of every
-    row and the same mask (its name, in the same function) marks real tokens 1 at another call of the run: the program
-    states the sequence is padding whole (mlx-audio's Irodori-TTS masks an empty caption's every token, its caption
-    encoder attending over nothing real, where the text and speaker encoders' `mask` holds their tokens 1). Only a mask
-    read 1 = real, and only one whose 1s the run shows: a mask that is 0 everywhere says nothing of its polarity
-    (PaLM-rlhf's encoder `mask = x < 0`, True for padding, applied as a keep mask: every real token hidden), and a
-    key_padding_mask of all True is as often a mask of all real tokens handed the wrong way round."""
-    for held in call.details.get("held_padding") or ():
-        rows = held.get("rows")
-        if held.get("kind") == "keep" and isinstance(rows, np.ndarray) and rows.ndim == 2 and rows.size \
+    row and the token ids the same frame holds over those keys are one id at every position but each row's first (a
+    BOS before it): the program states the sequence is padding whole, and its tokens are padding (mlx-audio's
+    Irodori-TTS masks an empty caption, a BOS then pad ids, and its caption encoder attends over nothing real). Only a
+    mask read 1 = real, and only one its ids bear out: a mask 0 everywhere says nothing of its polarity alone
+    (PaLM-rlhf's encoder `mask = x < 0`, True for padding, applied as a keep mask over real ids; MiDashengLM's audio
+    mask turned round), and a key_padding_mask of all True is as often a mask of all real tokens handed the wrong way
+    round."""
+    held = call.details.get("held_padding") or ()
+    for mask in held:
+        rows = mask.get("rows")
+        if mask.get("kind") == "keep" and isinstance(rows, np.ndarray) and rows.ndim == 2 and rows.size \
                 and rows.shape[1] == call.shape[3] and rows.shape[0] in (1, call.shape[0]) and not rows.any() \
-                and run is not None and _ones_elsewhere(run, held):
-            return f"{held['name']} in {held.get('where', 'a frame')}"
+                and any(_padding_ids(ids, rows.shape) for ids in held if ids.get("where") == mask.get("where")):
+            return f"{mask['name']} in {mask.get('where', 'a frame')}"
     return None
 
 
-def _ones_elsewhere(run, held: dict) -> bool:
-    """Some call of the run holds a keep mask of `held`'s name in the same function with a 1 in it."""
-    for call in run.calls:
-        for other in call.details.get("held_padding") or ():
-            rows = other.get("rows")
-            if other.get("kind") == "keep" and other.get("name") == held.get("name") \
-                    and other.get("where") == held.get("where") and isinstance(rows, np.ndarray) and rows.any():
-                return True
-    return False
+def _padding_ids(held: dict, shape: tuple) -> bool:
+    """Token ids a frame holds, of `shape`, one id at every position after each row's first."""
+    ids = held.get("rows")
+    return held.get("kind") == "ids" and isinstance(ids, np.ndarray) and ids.shape == shape and shape[1] > 2 \
+        and bool((ids[:, 1:] == ids[0, -1]).all())
