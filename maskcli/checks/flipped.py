@@ -50,6 +50,8 @@ def flipped(run: Run) -> list:
                 state = None
                 continue
             own = np.asarray(own)
+            if own.size == 0 or call.shape[3] == 0:
+                continue  # (attention over no token: nothing cached, nothing stated)
             prefill = call.shape[2] == call.shape[3] and own[0] == 0  # (the site's sequence begins)
             read = _step(call, top, own, prefill)
             if read is None:
