@@ -74,37 +74,41 @@ def flipped(run: Run) -> list:
 def _begin(real: np.ndarray, seen: np.ndarray, own: np.ndarray, call) -> dict:
     """A prefill's columns: those its real queries see and the model call calls real."""
     marks = np.where(real & seen, REAL, UNKNOWN).astype(np.int8)
-    return {"rows": real.shape[0], "keys": real.shape[1], "marks": marks, "steps": {}, "first": call.step}
+    return {"rows": real.shape[0], "keys": real.shape[1], "marks": marks, "first": call.step,
+            "hider": np.full(real.shape, -1, np.int32), "hiders": []}
 
 
 def _advance(state: dict, real: np.ndarray, seen: np.ndarray, asking: np.ndarray, own: np.ndarray, call,
              name: str) -> tuple | None:
     """One cached step: each column before its first query moves REAL -> HIDDEN (called padding, hidden) -> AGAIN
-    (called real, seen again); (the call that hid it, the finding) where one gets there."""
+    (called real, seen again); (the call that hid it, the finding) where one gets there. Whole arrays a step: no loop
+    over the columns."""
     batch, k_len = real.shape
-    marks = np.zeros((batch, k_len), np.int8)
-    marks[:, :state["keys"]] = state["marks"]
+    marks, hider = np.zeros((batch, k_len), np.int8), np.full((batch, k_len), -1, np.int32)
+    marks[:, :state["keys"]], hider[:, :state["keys"]] = state["marks"], state["hider"]
     cached = np.arange(k_len)[None, :] < int(own.min())
     judged = asking.any(axis=1)[:, None] & cached  # (a row with no real query says nothing of its keys)
     hidden = judged & (marks == REAL) & ~real & ~seen
     again = judged & (marks == HIDDEN) & real & seen
     fresh = judged & (marks == UNKNOWN) & real & seen
-    for b, k in np.argwhere(hidden):
-        state["steps"][(int(b), int(k))] = (call, int(own[int(np.argmax(asking[b]))]))
+    if hidden.any():  # (the step that hid them, and each row's first real query there)
+        hider[hidden] = len(state["hiders"])
+        state["hiders"].append((call, own[np.argmax(asking, axis=1)]))
     marks[hidden], marks[again], marks[fresh] = HIDDEN, AGAIN, REAL
-    state.update(keys=k_len, marks=marks)
+    state.update(keys=k_len, marks=marks, hider=hider)
     if not again.any():
         return None
     b, k = (int(x) for x in np.argwhere(again)[0])
-    hider, query = state["steps"][(b, k)]
-    at = hider.step
-    gone = sorted(key for (row, key), (one, _) in state["steps"].items() if row == b and one is hider)
-    return hider, Finding("padding-flipped", (
+    at = int(hider[b, k])
+    hid, queries = state["hiders"][at]
+    gone = np.flatnonzero(hider[b] == at)
+    return hid, Finding("padding-flipped", (
         f"batch row {b}: key {k}, a cached token the row's queries saw at step {state['first']}, is called padding by "
-        f"the model call's {name} and hidden at step {at} (keys {spans(gone)} there), then called real and seen again "
-        f"at step {call.step}: the token in the cache did not change, its padding did (the step's mask laid over other "
-        f"columns than the cache's?)"),
-        expected=f"key {k} real at every step", source=f"{name} of the model call at step {at}", cell=(b, query, k))
+        f"the model call's {name} and hidden at step {hid.step} (keys {spans(gone.tolist())} there), then called real "
+        f"and seen again at step {call.step}: the token in the cache did not change, its padding did (the step's mask "
+        f"laid over other columns than the cache's?)"),
+        expected=f"key {k} real at every step", source=f"{name} of the model call at step {hid.step}",
+        cell=(b, int(queries[b]), k))
 
 
 RULES = (

@@ -94,12 +94,15 @@ def _alone(folded: np.ndarray, own: np.ndarray, apart: np.ndarray) -> bool:
     means to (RetroMAE's enhanced decoder: each position hides its own token and a sample of whole words)."""
     k_len = folded.shape[2]
     real = folded.any(axis=1)  # (b, Lk)
-    for b, q in np.argwhere(apart):
-        k = int(own[q])
-        beside = [j for j in (k - 1, k + 1) if 0 <= j < k_len and real[b, j]]
-        if beside and all(folded[b, q, j] for j in beside):
-            return True
-    return False
+    rows, at = np.nonzero(apart)
+    keys = own[at]
+    beside, kept = np.zeros(len(keys), bool), np.ones(len(keys), bool)
+    for step in (-1, 1):
+        other = np.clip(keys + step, 0, k_len - 1)
+        there = (keys + step >= 0) & (keys + step < k_len) & real[rows, other]
+        beside |= there
+        kept &= ~there | folded[rows, at, other]
+    return bool((beside & kept).any())
 
 
 def _numbered_from(folded: np.ndarray, own: np.ndarray, attending: np.ndarray) -> bool:
