@@ -484,3 +484,19 @@ def test_a_zigzag_ring_s_steps_are_not_judged_against_the_rank_s_own_tokens(tmp_
     folder = Path(__file__).parent / "data" / "blind"
     status, found, report = traced(tmp_path, "llamafactory360_zigzag_ring_sft_no_position_ids", True, folder)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_a_function_looked_up_while_tracing_and_registered_again_is_hugging_faces_own_after():
+    """axolotl's patch of "sdpa" (quiet_blind's quiet_axolotl_sdpa_varlen_packed_position_ids_mask_dropped.py) looks the
+    registered function up, registers a wrapper around it, and later registers that looked-up function back: under a
+    trace the lookup is the trace's wrapper, which stayed in the registry after the trace and wrapped every later
+    program's calls (CI's hf stage: this file's test after it failed). The trace puts the program's own function back."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    own = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    with maskcli.trace():
+        looked_up = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        assert looked_up is not own and getattr(looked_up, "_maskcli_interface", ())
+        ALL_ATTENTION_FUNCTIONS.register("sdpa", lambda *args, **kwargs: looked_up(*args, **kwargs))
+        ALL_ATTENTION_FUNCTIONS.register("sdpa", looked_up)  # (the program's unpatch)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is own

@@ -58,13 +58,26 @@ def patch(trace, modeling_utils) -> list:
     def get_interface_(self, attn_implementation, default):
         return wrap(get_interface(self, attn_implementation, default), attn_implementation)
 
+    def registered_back() -> None:  # (a program that looked a function up while tracing and registered it again,
+        # axolotl's patch and unpatch of "sdpa", left the trace's wrapper in the registry: its own function goes back)
+        originals = {id(wrapper): function for function, wrapper in wrapped.values()}
+        for mapping in (cls.__dict__.get("_global_mapping"), getattr(modeling_utils.ALL_ATTENTION_FUNCTIONS, "_local_mapping", None)):
+            if isinstance(mapping, dict):
+                for key, value in list(mapping.items()):
+                    if id(value) in originals:
+                        mapping[key] = originals[id(value)]
+
     undo = [(cls, name, cls.__dict__.get(name)) for name in ("__getitem__", "get_interface")]
     cls.__getitem__, cls.get_interface = __getitem__, functools.wraps(get_interface)(get_interface_)
-    return undo
+    return undo + [registered_back]
 
 
 def unpatch(undo: list) -> None:
-    for cls, name, original in undo:
+    for entry in undo:
+        if callable(entry):
+            entry()
+            continue
+        cls, name, original = entry
         if original is None:
             delattr(cls, name)
         else:
