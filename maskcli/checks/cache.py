@@ -114,6 +114,8 @@ def _unwritten(run: Run) -> list:
         if k_len <= end:
             continue
         done.add(call.mask)
+        if call.where in pooled(run):
+            continue  # (a pool of pages: its slots are no positions, decided before the call's cells are read)
         cells = keep(call)
         if cells is None:
             continue
@@ -121,8 +123,6 @@ def _unwritten(run: Run) -> list:
         real = resolve(call, top, by_row(cells, rows)).queries  # (B, Lq): a padding query's row is unmasked whole on
         if cells.shape[0] == 1 and (real == real[:1]).all():  # purpose (no NaN); a mask broadcast over the batch
             real = real[:1]  # rows is counted once, as stored
-        if call.where in pooled(run):
-            continue
         stop = _appended(cells, real, positions, end)
         bad = cells[..., end:stop] & real[:, None, :, None]
         if bad.any():

@@ -17,20 +17,20 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, cross, keep
-from maskcli.checks.real import stated
+from maskcli.checks.real import stated_once
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
 UNKNOWN, REAL, HIDDEN, AGAIN = 0, 1, 2, 3
 
 
-def _step(call, top, own: np.ndarray, prefill: bool) -> tuple | None:
+def _step(call, top, own: np.ndarray, prefill: bool, memo: dict) -> tuple | None:
     """(stated real (B, Lk), seen by the row's real queries (B, Lk), the argument that states it, bool (B, Lq) the real
     queries) of one call; at a prefill whose model call states no padding over its keys (LLaVA's, stated over the text
     before the image is expanded), its queries that see their own key are its real ones and the keys they see real."""
     cells = keep(call)
     batch, _, q_len, k_len = call.shape
-    said = stated(top, batch, k_len)
+    said = stated_once(memo, top, batch, k_len)  # (every layer of one model call asks the same)
     if cells is None or said is None and not prefill or len(own) != q_len or own.min() < 0 or own.max() >= k_len:
         return None
     seen = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
@@ -41,7 +41,7 @@ def _step(call, top, own: np.ndarray, prefill: bool) -> tuple | None:
 
 def flipped(run: Run) -> list:
     """Each call site's first cached column that its model calls state real, padding, then real again."""
-    found = []
+    found, memo = [], {}
     for where, calls in run.sites().items():
         state = None
         for call in calls:
@@ -53,7 +53,7 @@ def flipped(run: Run) -> list:
             if own.size == 0 or call.shape[3] == 0:
                 continue  # (attention over no token: nothing cached, nothing stated)
             prefill = call.shape[2] == call.shape[3] and own[0] == 0  # (the site's sequence begins)
-            read = _step(call, top, own, prefill)
+            read = _step(call, top, own, prefill, memo)
             if read is None:
                 continue
             real, seen, name, asking = read

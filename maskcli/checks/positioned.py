@@ -353,21 +353,21 @@ def check(run: Run) -> list:
                             "query of this site saw exactly its position's: keys of tokens no longer in the sequence "
                             "stay in the cache (rejected draft tokens not rolled back?)"),
                             expected=f"{int(placed_at[b, q]) + 1} keys", source=source, cell=None)))
-                    elif before is not None and n == before[1] + 1 and p != before[0] + 1 \
-                            and (before[2] or follows(before, seen[b, first], call.shape[0])):
+                    elif before is not None and n == before.count + 1 and p != before.position + 1 \
+                            and (before.counted or follows(before, seen[b, first], call.shape[0])):
                         done.add(where)
                         pads = int(np.argmax(seen[b, first]))  # (the keys before the row's first seen: its left padding)
                         two = renumbered(before, p, pads)
                         why = two or (f"it counts the row's {pads} padding keys before its first real one (the left "
-                                      "padding not subtracted at this step?)" if pads and p - before[0] - 1 == pads else
+                                      "padding not subtracted at this step?)" if pads and p - before.position - 1 == pads else
                                       "the position is ahead of the keys it writes (advanced before the forward?)"
-                                      if p > before[0] else
+                                      if p > before.position else
                                       "keys of tokens no longer in the sequence stay in the cache (not rolled back?)")
                         found.append((call, Finding("positions-vs-keys", (
                             f"batch row {b}: query {first} sees one key more than the site's previous step's last query "
-                            f"(at position {before[0]}), yet its position is {p}, not {before[0] + 1}: {why}"),
-                            expected=f"position {before[0] + 1}" if two is None else
-                            f"one numbering: position {before[0] + 1} here, or {p - 1} for the previous step's last query",
+                            f"(at position {before.position}), yet its position is {p}, not {before.position + 1}: {why}"),
+                            expected=f"position {before.position + 1}" if two is None else
+                            f"one numbering: position {before.position + 1} here, or {p - 1} for the previous step's last query",
                             source=source, cell=None)))
                     last[(where, row)] = mark(int(placed_at[b, end]), int(counts[b, end]), call.shape[0], seen[b, end])
                     # (a step to compare the next against; one whose last query's position does not count its keys is

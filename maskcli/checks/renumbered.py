@@ -14,32 +14,42 @@ sees the earlier one's keys, all of them, in the same columns.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 
-def mark(position: int, count: int, batch: int, seen: np.ndarray) -> tuple:
-    """What a step's last real query of a row leaves for the next step: (position, keys seen, whether its position
-    counts its keys, the step's batch rows, bool (Lk,) the keys it sees)."""
-    return position, count, position + 1 == count, batch, seen.copy()
+class Mark(NamedTuple):
+    """What a step's last real query of a row leaves for the next step."""
+
+    position: int
+    count: int  # the keys it sees
+    counted: bool  # its position counts its keys (position + 1 == count)
+    rows: int  # the step's batch rows
+    seen: np.ndarray  # bool (Lk,): the keys it sees
 
 
-def follows(before: tuple, seen: np.ndarray, batch: int) -> bool:
+def mark(position: int, count: int, batch: int, seen: np.ndarray) -> Mark:
+    return Mark(position, count, position + 1 == count, batch, seen.copy())
+
+
+def follows(before: Mark, seen: np.ndarray, batch: int) -> bool:
     """The next step's first query of the row (bool (Lk,) the keys it sees) sees the keys `before`'s query saw, in the
     same columns, and one more, over as many batch rows."""
-    old = before[4]
-    return (before[2] or batch == before[3]) and seen.shape[0] > old.shape[0] and bool((seen[:old.shape[0]] >= old).all()) \
+    old = before.seen
+    return batch == before.rows and seen.shape[0] > old.shape[0] and bool((seen[:old.shape[0]] >= old).all()) \
         and int(seen.sum()) == int(old.sum()) + 1
 
 
-def why(before: tuple, position: int, pads: int) -> str | None:
+def why(before: Mark, position: int, pads: int) -> str | None:
     """The cause said where the previous step's position did not count its keys (None where it did: positioned.py's
     own words): its positions counted the row's padding keys, or more tokens than it saw, and this step's do not."""
-    if before[2]:
+    if before.counted:
         return None
-    ahead = before[0] + 1 - before[1]
+    ahead = before.position + 1 - before.count
     counted = (f"the row's {pads} padding keys before its first real one" if pads and ahead == pads else
-               f"{ahead} tokens more than the {before[1]} keys its last query saw" if ahead > 0 else
-               f"{-ahead} tokens fewer than the {before[1]} keys its last query saw")
+               f"{ahead} tokens more than the {before.count} keys its last query saw" if ahead > 0 else
+               f"{-ahead} tokens fewer than the {before.count} keys its last query saw")
     return (f"the previous step's positions count {counted}, this step's "
-            f"{'do not' if position + 1 == before[1] + 1 else 'count otherwise'}: the two steps number the row's tokens "
+            f"{'do not' if position == before.count else 'count otherwise'}: the two steps number the row's tokens "
             "on two scales (positions taken from the cache's slots at one step and from the attention mask at the other?)")

@@ -36,7 +36,7 @@ def sample_fields(given: dict) -> dict:
         return {}
     if not any(value.dim() == 1 and not any(word in name.lower() for word in NOT_SAMPLES) for name, value in fields):
         return {}
-    if any(value.dim() == 1 and name.lower().rsplit("]", 1)[0].endswith(("position", "positions", "pos", "position_ids"))
+    if any(value.dim() == 1 and name.lower().rstrip('"]').endswith(("position", "positions", "pos", "position_ids"))
            for name, value in fields):
         return {}  # (1-D positions of as many elements: each element is a token, a flat stream of them, not a sample:
         # an engine's `input_ids` and `positions` of every request's tokens, SGLang's and vLLM's model calls)
