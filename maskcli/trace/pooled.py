@@ -58,7 +58,9 @@ class Pooled:
     def _axis(self, tensor) -> int | None:
         """The axis a held softmax normalised `tensor` over: its result's, or a view's of every element of it (an
         unsqueeze, a transpose: the view's axis of the same size and stride)."""
-        base = tensor._base if tensor._base is not None and id(tensor) not in self.held else tensor
+        own = self.held.get(id(tensor))  # (an entry of a dead tensor whose id this one took is not its own: the
+        own = own is not None and own[0]() is tensor  # view is read through its base, whatever the allocator reused)
+        base = tensor._base if tensor._base is not None and not own else tensor
         held = self.held.get(id(base))
         if held is None or held[0]() is not base:
             return None
