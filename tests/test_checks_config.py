@@ -56,6 +56,11 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # ARISE-Initiative/robomimic#196 (written blind, blind-hs, caught before tuning): `algo.transformer.causal = False`
     # dropped on its way from the config to GPT_Backbone, whose tril buffer keeps every block causal
     ("robomimic_bc_transformer_causal_false_config_ignored", "bidirectional-run-causal"),
+    # ModelTC/LightLLM#469 (written blind, blind-pv, caught before tuning): Qwen2's `sliding_window` run on every layer
+    # beside `use_sliding_window: false`; its fix's decode, which pools one request's heads at a time beside every
+    # request's `b_seq_len`, was read as pooled over padding (checks/pooledpad.held_there reads no lengths over rows of
+    # another axis now)
+    ("lightllm_qwen2_sliding_window_applied_without_use_sliding_window", "window-on-full-layer"),
 ]
 
 

@@ -399,3 +399,12 @@ def test_an_encoder_layer_called_once_that_hands_is_causal_without_a_mask_is_fou
             Layer(slip)(x)
         codes = [f.code for g in t.groups() for f in g.findings]
         assert ("causal-but-said-not" in codes) is slip, codes
+
+
+def test_qeff_gemma4_rebuilds_the_vision_block_mask_for_a_causal_config(tmp_path):
+    """quic/efficient-transformers#1159 (written blind, blind-pr, caught before tuning): QEfficient's Gemma 4 attention
+    rebuilt the image-block bidirectional mask on every prefill with mm_token_type_ids, though E2B's config leaves
+    `use_bidirectional_attention` unset (causal); the fix gates it on `== "vision"`."""
+    hit = check_bug(tmp_path, "qeff_gemma4_e2b_prefill_attention_rebuilds_vision_block_mask_ungated",
+                    "decoder-mask-not-causal")[0]
+    assert hit["severity"] == "wrong"

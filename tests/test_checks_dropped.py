@@ -642,3 +642,11 @@ def test_a_block_handed_two_masks_that_passes_one_on_is_no_dropped_mask():
     found = {g.calls[0].index: [f.code for f in g.findings] for g in t.groups()}
     assert "mask-argument-dropped" not in found[local.index] + found[full.index]
     assert "mask-argument-dropped" in found[none.index]
+
+
+def test_fms_gpt_oss_sinks_attention_builds_its_own_causal_mask_over_left_padding(tmp_path):
+    """foundation-model-stack 09380a97 (written blind, blind-pp, caught before tuning): GPT-OSS's
+    `_math_attention_with_sinks_op` never read the padding mask fms's batched generate hands it and built its own
+    causal triangle, so a left-padded prompt attends its pads; the fix applies the mask it was given."""
+    [hit, *_] = check_bug(tmp_path, "fms_gpt_oss_sinks_attention_ignores_padding_mask", "mask-argument-dropped")
+    assert "_math_attention_with_sinks_op()" in hit["message"], hit

@@ -382,6 +382,9 @@ _NO_CALL = {"slot_attention_softmax_over_slots_no_mask", "allennlp_bidaf_masked_
             # LMDeploy's paged prefill kernel ported as its online softmax over key tiles (exp, a running max and sum: no
             # softmax call), its reference a softmax of one query row at a time (a vector, no query-by-key matrix)
             "quiet_lmdeploy_paged_prefill_history_window",
+            # mTAN's per-feature attention: scores repeated along a feature axis (B, H, Lq, Lk, D), softmaxed over the
+            # keys' axis -2, not the last: no call read
+            "quiet_mtan_physionet_padded_irregular_series_per_feature_mask",
             # Point Transformer's vector attention: an MLP of q - k per gathered neighbour, a softmax over the k
             # neighbours of each channel (b, i, j, d), no product of queries and keys
             "quiet_point_transformer_padded_point_sets_knn_vector_attention",

@@ -1228,3 +1228,29 @@ def test_a_generate_loops_mask_as_wide_as_the_prefill_by_chance_is_no_prompts_pa
     found = check_bug(tmp_path, "peft_prompt_tuning_generate_empty_cache_truthy_no_injection", "padding-ignored",
                       folder=Path(__file__).parent / "data" / "blind")
     assert found[0]["message"].startswith("batch row 1: query 3 sees key 0"), found[0]["message"]
+
+
+GIVENUP = Path(__file__).parent / "data" / "givenup"
+
+
+def test_queries_the_held_mask_gives_up_whole_are_asked_no_other_mask(tmp_path):
+    """A recompute pass whose attention marks every query past the context hidden from every key (CodeGeeX's loop, a
+    quiet program written blind: an additive mask shifts those rows as a whole, and they attend everywhere) keeps to
+    the mask it made: neither the causal mask a frame further out holds (held-mask-ignored) nor the cached steps'
+    causal prefill (causal-lost) is asked of those rows."""
+    status, found, report = traced(tmp_path, "recompute_rows_past_context_masked_whole", False, GIVENUP)
+    assert status == 0, report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_rows_before_the_context_opened_whole_are_still_held_to_the_mask(tmp_path):
+    """The same pass opening the context's own rows to every key (rows before the context set to keep): no row is
+    given up, and the causal mask the model holds is broken."""
+    text = (GIVENUP / "recompute_rows_past_context_masked_whole.py").read_text()
+    text = text.replace("attention_mask[:, :, context_length:, :] = True", "attention_mask[:, :, :context_length, :] = False")
+    text = text.replace("    assert all(", "    assert not all(")
+    assert text.count(":context_length, :] = False") == 1
+    (tmp_path / "opened.py").write_text(text)
+    status, found, report = traced(tmp_path, "opened", False, tmp_path)
+    assert status == 1, report
+    assert {"held-mask-ignored", "causal-lost"} <= {f["code"] for f in found if f["severity"] == "wrong"}, report

@@ -305,3 +305,11 @@ def test_gpt_neox_sequence_classification_pools_at_the_pad_count_on_left_padding
     hit = check_bug(tmp_path, "transformers_gpt_neox_seqcls_left_padded_pools_at_pad_count", "pooled-at-padding")[0]
     pads, real = 8, 7
     assert tuple(hit["cell"]) == (2, real - 1, real - 1) and real - 1 < pads
+
+
+def test_peft_shadow_classifier_pools_the_last_mask_column_of_a_left_padded_batch(tmp_path):
+    """huggingface/peft#3620 (written blind, blind-po, caught before tuning): the detached ShadowPEFT classifier picks
+    `attention_mask.sum(1) - 1`, the last real token only under right padding; its left-padded Llama backbone's padded
+    rows are pooled at a pad. The fix takes each row's rightmost real position."""
+    [hit] = check_bug(tmp_path, "peft_shadow_detached_classifier_left_padded_pools_pad_token", "pooled-at-padding")[:1]
+    assert hit["message"].startswith("batch row"), hit

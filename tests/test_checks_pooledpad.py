@@ -162,3 +162,11 @@ def test_a_pooling_head_handed_lengths_it_never_masks_with(tmp_path):
                       POOLEDPAD)
     assert tuple(hit["cell"]) == (1, 0, 6) and "((10 - 6) + (10 - 3))" not in hit["message"]
     assert f"({(10 - 6) + (10 - 3)} such positions)" in " ".join(hit["message"].split())
+
+
+def test_one_requests_heads_pooled_beside_every_requests_lengths_are_quiet(tmp_path):
+    """Written here after LightLLM's decode (blind-pv's fix, a false alarm before): a loop over the requests softmaxes
+    each one's (heads, n) scores over its own n cached tokens; `b_seq_len` (6, 4) held beside it counts requests, not
+    the heads the pooled rows are, so no row of it is padding."""
+    status, found, report = traced(tmp_path, "decode_loop_pools_each_requests_heads", False, POOLEDPAD)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

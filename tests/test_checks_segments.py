@@ -146,3 +146,28 @@ def test_a_row_loop_whose_sliding_layer_unpads_with_its_windowed_mask(tmp_path):
     whole mask."""
     hit = caught(tmp_path, "per_row_loop_lengths_from_windowed_mask", ("segments-cut",))
     assert "over [4, 1] tokens" in hit["message"] and "[10, 7] real tokens" in " ".join(hit["message"].split())
+
+
+BLIND = Path(__file__).parent / "data" / "blind"
+
+
+def test_transformer_engine_padding_mask_true_counted_as_tokens(tmp_path):
+    """NVIDIA/TransformerEngine#818 (written blind, blind-ps, caught after tuning): the flash backend read its
+    True = padding mask as the tokens (`mask.sum(dim=1)`), so the varlen documents are each row's padding, 0 + 2 + 4
+    tokens where the batch's lengths, held in main(), say 6 + 4 + 2; the layer is handed only a (B, 1, 1, L) mask,
+    which states no padding the model call can be read by."""
+    lengths, width = [6, 4, 2], 6
+    [hit, *_] = check_bug(tmp_path, "transformer_engine_flash_padding_mask_true_counted_as_tokens", "segments-cut", BLIND)
+    documents = ", ".join(str(width - n) for n in lengths)
+    assert f"documents of {documents}" in hit["message"] and f"holds {sum(lengths)} real tokens" in hit["message"]
+    assert "by lengths in main()" in hit["message"] and "read the wrong way round" in hit["message"]
+
+
+def test_a_key_padding_mask_counted_as_tokens_on_a_left_padded_batch(tmp_path):
+    """Written another way (tests/data/segments): `key_padding_mask` (B, 1, 1, L) of a left-padded batch, its lengths
+    held as `seq_lens`, a loop of SDPA calls standing for the varlen kernel; the documents are the padding's."""
+    seq_lens, width = [5, 3, 4], 5
+    [hit, *_] = check_bug(tmp_path, "unpad_key_padding_mask_counted_as_tokens", "segments-cut", SEGMENTS)
+    pads = [width - n for n in seq_lens]
+    assert f"ran over {sum(pads)} tokens" in hit["message"] and f"holds {sum(seq_lens)} real tokens" in hit["message"]
+    assert "by seq_lens in main()" in hit["message"]

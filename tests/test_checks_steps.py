@@ -511,3 +511,50 @@ def test_a_static_cache_read_through_a_softmax_places_its_steps_before_the_unwri
     assert tuple(hits[0]["cell"]) == (0, 7, 0) and "query 7 sees 8 keys back" in hits[0]["message"], report
     status, found, report = traced(tmp_path, name, True, folder)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_textbox_generate_runs_the_prefix_again_without_its_causal_mask(tmp_path):
+    """RUCAIBox/TextBox c9fe8cb (written blind, blind-pu, caught after tuning): TransformerEncDec.generate feeds the
+    whole generated prefix back through the decoder each step, with no cache and no self_attn_mask, where training
+    called the same layers causal over a right-padded batch: the prefix's earlier tokens see its later ones. The
+    expected cells come from a double loop: at a pass of n queries, query i sees key j > i."""
+    found = check_bug(tmp_path, "textbox_transformer_encdec_generate_prefix_rerun_without_self_attn_mask", "causal-lost",
+                      Path(__file__).parent / "data" / "blind")
+    assert all(f["message"].startswith("step 0 of decoder.transformer_layers.") for f in found), found
+    later = [(i, j) for i in range(2) for j in range(2) if j > i]
+    assert any(tuple(f["cell"][1:]) == later[0] for f in found) and "runs the whole prefix again" in found[0]["message"]
+
+
+def test_a_loop_that_drops_the_mask_it_trained_with_is_said_by_the_sites_causal_pass(tmp_path):
+    """Written another way (tests/data/rerun): nn.TransformerEncoder trained one step with a causal mask, then decoded
+    greedily by running its prefix again without the mask; its class names no decoder (loopcausal.py has no word that
+    it decodes), so the site's own causal pass says it. The fix hands the mask each step: quiet."""
+    found = check_bug(tmp_path, "tiny_lm_greedy_loop_drops_causal_mask", "causal-lost",
+                      Path(__file__).parent / "data" / "rerun")
+    assert {f["message"].split(" is causal")[0] for f in found} == {f"step 0 of blocks.layers.{n}.self_attn" for n in (0, 1)}
+
+
+def test_a_prefix_run_again_is_three_passes_each_one_query_longer():
+    """_rerun against a loop written here: runs of 3+ self-attention passes, each one query longer than the one before;
+    a training pass, a cross-attention or a run of 2 is none."""
+    from types import SimpleNamespace
+
+    from maskcli.checks.steps import _rerun
+
+    def calls(lengths, crossing=()):
+        return [SimpleNamespace(shape=(1, 2, n, n), api="sdpa", where="attn",
+                                details={"cross": {"cross": i in crossing, "by": "inputs", "source": "written here"}})
+                for i, n in enumerate(lengths)]
+
+    def reference(lengths, crossing=()):
+        found, start = set(), 0
+        for n in range(1, len(lengths) + 1):
+            if n == len(lengths) or n in crossing or lengths[n] != lengths[n - 1] + 1 or n - 1 in crossing:
+                if n - start >= 3:
+                    found |= set(range(start, n))
+                start = n
+        return found
+
+    for lengths, crossing in [([4, 1, 2, 3, 4, 5], ()), ([4, 1, 2, 1, 2], ()), ([8, 8, 8], ()), ([1, 2, 3, 1, 2, 3], ()),
+                              ([2, 3, 4, 5], (2,)), ([5, 6, 7], ())]:
+        assert _rerun(calls(lengths, crossing)) == reference(lengths, crossing), (lengths, crossing)

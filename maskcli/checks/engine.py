@@ -40,6 +40,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     # packing (repeated.py); or the positions' leading zeros a padding the ids state too (idspositions.py)
     "samples-leak": {"documents-leak", "varlen-leak"},  # numbered samples, said by their position_ids or cu_seqlens first
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
+    "causal-lost": {"loop-sees-later"},  # a prefix run again each step, said with the loop's appended tokens (loopcausal.py)
     "window-differs-at-decode": {"window-lost"},  # a decode step wider than its prefill: said as the window lost
     "window-miscounted": {"prefill-chunks-differ"},  # a prefill chunk's rows, said against the whole pass (prefill.py)
     "window-escaped": {"prefill-chunks-differ"},  # keys past a window a chunk laid from its own start (prefill.py)

@@ -71,6 +71,7 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
         return None
     cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
     counted = ~cells.all(axis=2) | ~cells.all(axis=(1, 2), keepdims=False)[:, None]  # (rows every key unmasked: NaN-proof)
+    counted = counted & ~_discarded(cells, helds, rows, q_len, k_len)
     for held in helds:
         table = held["rows"]
         if rows == 1 and table.ndim == 3 and table.shape[0] > 1:
@@ -98,6 +99,34 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
                 f"this call does not bound what the kernel lets each query see (combined the wrong way, or dropped?)"),
                 expected=f"within {held['name']}", source=said, cell=(b, q, k))
     return None
+
+
+def given_up(call, cells: np.ndarray) -> np.ndarray | None:
+    """Bool (B, Lq) of `_discarded` for a call's kept cells (B or 1, H, Lq, Lk), from the cells masks its frames hold;
+    None where none is held."""
+    helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "cells"]
+    if not helds:
+        return None
+    rows, _, q_len, k_len = cells.shape
+    return _discarded(cells.any(axis=1), helds, rows, q_len, k_len)
+
+
+def _discarded(cells: np.ndarray, helds, rows: int, q_len: int, k_len: int) -> np.ndarray:
+    """Bool (rows, Lq): the queries a held mask the kernel keeps to (in one reading) hides from every key: rows the
+    program itself gave up for this call (CodeGeeX sets every query past the context to masked, and reads only the
+    context's last row's output), which an additive mask shifts as a whole, so that they attend everywhere; no other
+    mask the program holds (the one it refined, in a frame further out) is asked of them."""
+    gone = np.zeros((rows, q_len), dtype=bool)
+    for held in helds:
+        table = held["rows"]
+        if table.ndim not in (2, 3) or table.shape[-2:] != (q_len, k_len) or table.ndim == 3 and table.shape[0] not in (1, rows):
+            continue
+        table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
+        for hides in (table, ~table):  # (True = masked; True = keep)
+            whole = hides.all(axis=2)
+            if whole.any() and not whole.all() and not (cells & hides & ~whole[:, :, None]).any():
+                gone |= whole
+    return gone
 
 
 def _request_finding(call, held, cells: np.ndarray, counted: np.ndarray) -> Finding | None:

@@ -112,7 +112,8 @@ def held_there(pool: dict, rows: int, length: int) -> tuple[list, str] | None:
         return None  # (weights of many queries a row: attention's, whose padded queries weigh pads on purpose)
     found = {}
     for held in pool.get("held") or ():
-        if held["kind"] in ("keep", "pad", "lengths"):
+        if held["kind"] in ("keep", "pad", "lengths") and len(held["rows"]) in (1, rows):  # (not laid over rows of
+            # another axis: LightLLM's decode pools one request's heads in a loop over the requests' lengths)
             tables = readings(held, rows, length)
             if tables:
                 found.setdefault(b"".join(t.tobytes() for t in tables), (tables, f"{held['name']} in {held['where']}"))

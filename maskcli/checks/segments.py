@@ -130,7 +130,9 @@ def uncovered(run: Run, done_calls: set) -> list:
         rows, length = int(given[0]), int(given[1])
         said = stated(top, rows, length)
         if said is None or not said[2]:
-            continue
+            said = _held_lengths(call, rows, length)  # (the batch's lengths a frame holds: TransformerEngine#818)
+            if said is None:
+                continue
         name, cu = covered
         key = (id(top), name, cu.tobytes())
         real = np.broadcast_to(said[0], (rows, length))
@@ -145,10 +147,33 @@ def uncovered(run: Run, done_calls: set) -> list:
             f"documents of {_lengths(cu)}), but the batch of {rows} rows it was handed "
             f"holds {int(real.sum())} real tokens ({', '.join(map(str, per_row))} a row, by {said[1]}): "
             f"{int(real.sum()) - ran} real tokens attend nothing, their attention output left zero (query {q} of batch "
-            f"row {b} among them); build the lengths from the batch's padding mask, not from another mask"),
+            f"row {b} among them); "
+            + ("each document as long as its row's padding: the padding mask read the wrong way round (True = padding "
+               "counted as tokens)" if _inverted(cu, real) else
+               "build the lengths from the batch's padding mask, not from another mask")),
             expected=f"documents covering the {int(real.sum())} real tokens ({', '.join(map(str, per_row))} a row)",
             source=f"{name} at {call.where}, and {said[1]}", cell=(b, q, 0))))
     return found
+
+
+def _held_lengths(call, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
+    """(bool (rows, length) real tokens, where it is said, True) of the batch's lengths a frame on the stack holds
+    (trace/held.py), laid at the side the ids it holds beside them pad (right where none says); None where no frame
+    holds lengths of this batch."""
+    helds = call.details.get("held_padding") or ()
+    ids = [held["rows"] for held in helds if held["kind"] == "ids" and np.shape(held["rows"]) == (rows, length)]
+    for held in helds:
+        tables = readings(held, rows, length) if held["kind"] == "lengths" else []
+        if tables:
+            side = next((t for t in tables for given in ids if len(np.unique(given[~t])) == 1), tables[0])
+            return side, f"{held['name']} in {held['where']}", True
+    return None
+
+
+def _inverted(cu: np.ndarray, real: np.ndarray) -> bool:
+    """Documents one a row, each as long as its row's padding (lengths read off the padding mask's other polarity)."""
+    lengths = np.diff(cu)
+    return len(lengths) == real.shape[0] and bool((lengths == (~real).sum(axis=1)).all())
 
 
 def _flat(top, total: int) -> tuple[np.ndarray, str] | None:

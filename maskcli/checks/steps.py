@@ -17,6 +17,7 @@ import numpy as np
 from maskcli.checks.context import (Run, columns_are_positions, cross, equals, first_cell, found_padding, keep, queries,
                                     runs, triu)
 from maskcli.checks.directions import pass_directions, read_directions
+from maskcli.checks.heldcells import given_up
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
 from maskcli.checks.stepcells import held_after_own, placed_past_written, reaches_back, windowed
@@ -277,8 +278,12 @@ def causal_lost(run: Run) -> list:
     sees later keys is a finding only where decode steps follow it at the site (a prefill)."""
     found, every_row = [], {}  # id(cells) -> (cells, whether every query row sees a key): each layer hands one mask
     for (where, _), calls in run.callers().items():
+        rerun = None
         if not any(call.shape[2] < call.shape[3] for call in calls):
-            continue  # no step behind a cache: independent calls (masks built in a loop, one line for all), no prefill
+            rerun = _rerun(calls)
+            if not rerun:
+                continue  # no step behind a cache nor a prefix run again: independent calls (masks built in a loop,
+                # one line for all), no prefill
         if sum(1 for call in calls if 2 <= call.shape[2] == call.shape[3]) \
                 + any(2 <= call.shape[2] < call.shape[3] for call in calls) < 2:
             continue  # (one pass of many queries at most, and no chunk of them behind a cache: no causal call before
@@ -297,9 +302,9 @@ def causal_lost(run: Run) -> list:
                                               f"cells of real queries and keys, {q_len} queries behind {k_len - q_len} "
                                               "cached keys")))
                 continue
-            if q_len < 2 or q_len != k_len:
-                continue
-            if call.api == "mha" and causal is not None and not _decode_follows(calls[n + 1:]):
+            if q_len < 2 or q_len != k_len or causal is not None and rerun is not None and n not in rerun:
+                continue  # (a site that decodes by running its prefix again: those passes judged, not any other)
+            if call.api == "mha" and causal is not None and rerun is None and not _decode_follows(calls[n + 1:]):
                 continue
             cells = keep(call)
             if cells is None:
@@ -316,13 +321,18 @@ def causal_lost(run: Run) -> list:
                                               f"real queries and keys")))
                 continue
             if causal is None:
-                causal = call if equals(cells, "causal") else None
+                causal = call if equals(cells, "causal") or rerun and _causal_on_real(run, call) else None
                 continue  # (no causal call before it at the site: nothing it could have lost)
             got = pass_directions(run, call)
             later = triu(cells, k=1) if got is None else got[0][:, None]
+            gone = given_up(call, cells)
+            if gone is not None and gone.any():  # (queries the mask the program holds gives up whole, CodeGeeX's
+                later = later & ~gone[:, None, :, None]  # past its context, shifted as a whole by an additive mask)
             if causal is not None and later.any():
                 b, h, q, k = first_cell(later)
-                found.append((call, _lost(where, causal, call, (b, q, k), f"{int(later.sum())} such cells")))
+                found.append((call, _lost(where, causal, call, (b, q, k), f"{int(later.sum())} such cells" + (
+                    "; each decode step runs the whole prefix again, with no cache, and its earlier tokens see the "
+                    "later ones: the causal mask left out of the loop?" if rerun else ""))))
     return found
 
 
@@ -345,6 +355,27 @@ def _lost(where: str, causal, call, cell: tuple, count: str) -> Finding:
     return Finding("causal-lost", (
         f"step {causal.step} of {where} is causal, but at step {call.step} query {q} sees later key {k} ({count})"),
         expected="causal", source=f"{where} at step {causal.step}", cell=(b, q, k))
+
+
+def _causal_on_real(run: Run, call) -> bool:
+    """Every real query sees exactly the real keys up to itself (a right-padded training batch's causal pass)."""
+    got = pass_directions(run, call)
+    return got is not None and got[1]
+
+
+def _rerun(calls: list) -> set:
+    """Indices of a site's self-attention passes that decode with no cache by running the whole prefix again: runs
+    of three passes or more, each one query longer than the pass before (TextBox's TransformerEncDec.generate, whose
+    decoder was called causal in training); empty where there are none."""
+    found, run = set(), []
+    for n, call in enumerate(calls):
+        square = call.shape[2] == call.shape[3] and not cross(call)
+        if square and run and call.shape[2] == calls[run[-1]].shape[2] + 1:
+            run.append(n)
+            continue
+        found.update(run if len(run) >= 3 else ())
+        run = [n] if square else []
+    return found | set(run if len(run) >= 3 else ())
 
 
 def _decode_follows(calls: list) -> bool:
