@@ -534,27 +534,33 @@ def test_a_loop_that_drops_the_mask_it_trained_with_is_said_by_the_sites_causal_
     assert {f["message"].split(" is causal")[0] for f in found} == {f"step 0 of blocks.layers.{n}.self_attn" for n in (0, 1)}
 
 
-def test_a_prefix_run_again_is_three_passes_each_one_query_longer():
-    """_rerun against a loop written here: runs of 3+ self-attention passes, each one query longer than the one before;
-    a training pass, a cross-attention or a run of 2 is none."""
+def test_a_prefix_run_again_is_three_passes_each_one_query_longer(monkeypatch):
+    """rerun_passes against a loop written here: runs of 3+ self-attention passes, each one query longer than the one
+    before, masked alike; a training pass, a cross-attention, a run of 2, or a run whose passes of several queries are
+    causal in some and see later keys in others (lengths in turn through one line) is none."""
     from types import SimpleNamespace
 
-    from maskcli.checks.steps import _rerun
+    import maskcli.checks.rerun as rerun
 
-    def calls(lengths, crossing=()):
-        return [SimpleNamespace(shape=(1, 2, n, n), api="sdpa", where="attn",
+    monkeypatch.setattr(rerun, "_sees_later", lambda call: call.later)
+
+    def calls(lengths, crossing=(), causal=()):
+        return [SimpleNamespace(shape=(1, 2, n, n), api="sdpa", where="attn", later=i not in causal,
                                 details={"cross": {"cross": i in crossing, "by": "inputs", "source": "written here"}})
                 for i, n in enumerate(lengths)]
 
-    def reference(lengths, crossing=()):
+    def reference(lengths, crossing=(), causal=()):
         found, start = set(), 0
         for n in range(1, len(lengths) + 1):
             if n == len(lengths) or n in crossing or lengths[n] != lengths[n - 1] + 1 or n - 1 in crossing:
-                if n - start >= 3:
+                alike = {i not in causal for i in range(start, n) if lengths[i] >= 2}
+                if n - start >= 3 and len(alike) == 1:
                     found |= set(range(start, n))
                 start = n
         return found
 
-    for lengths, crossing in [([4, 1, 2, 3, 4, 5], ()), ([4, 1, 2, 1, 2], ()), ([8, 8, 8], ()), ([1, 2, 3, 1, 2, 3], ()),
-                              ([2, 3, 4, 5], (2,)), ([5, 6, 7], ())]:
-        assert _rerun(calls(lengths, crossing)) == reference(lengths, crossing), (lengths, crossing)
+    for lengths, crossing, causal in [([4, 1, 2, 3, 4, 5], (), (0,)), ([4, 1, 2, 1, 2], (), ()), ([8, 8, 8], (), ()),
+                                      ([1, 2, 3, 1, 2, 3], (), ()), ([2, 3, 4, 5], (2,), ()), ([5, 6, 7], (), ()),
+                                      ([2, 3, 4, 5, 6], (), (1, 3)), ([2, 3, 4, 5], (), (0, 1, 2, 3))]:
+        got = rerun.rerun_passes(calls(lengths, crossing, causal))
+        assert got == reference(lengths, crossing, causal), (lengths, crossing, causal)

@@ -18,6 +18,7 @@ from maskcli.checks.context import (Run, columns_are_positions, cross, equals, f
                                     runs, triu)
 from maskcli.checks.directions import pass_directions, read_directions
 from maskcli.checks.heldcells import given_up
+from maskcli.checks.rerun import causal_on_real, rerun_passes
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
 from maskcli.checks.stepcells import held_after_own, placed_past_written, reaches_back, windowed
@@ -280,7 +281,7 @@ def causal_lost(run: Run) -> list:
     for (where, _), calls in run.callers().items():
         rerun = None
         if not any(call.shape[2] < call.shape[3] for call in calls):
-            rerun = _rerun(calls)
+            rerun = rerun_passes(calls)
             if not rerun:
                 continue  # no step behind a cache nor a prefix run again: independent calls (masks built in a loop,
                 # one line for all), no prefill
@@ -321,7 +322,7 @@ def causal_lost(run: Run) -> list:
                                               f"real queries and keys")))
                 continue
             if causal is None:
-                causal = call if equals(cells, "causal") or rerun and _causal_on_real(run, call) else None
+                causal = call if equals(cells, "causal") or rerun and causal_on_real(run, call) else None
                 continue  # (no causal call before it at the site: nothing it could have lost)
             got = pass_directions(run, call)
             later = triu(cells, k=1) if got is None else got[0][:, None]
@@ -355,27 +356,6 @@ def _lost(where: str, causal, call, cell: tuple, count: str) -> Finding:
     return Finding("causal-lost", (
         f"step {causal.step} of {where} is causal, but at step {call.step} query {q} sees later key {k} ({count})"),
         expected="causal", source=f"{where} at step {causal.step}", cell=(b, q, k))
-
-
-def _causal_on_real(run: Run, call) -> bool:
-    """Every real query sees exactly the real keys up to itself (a right-padded training batch's causal pass)."""
-    got = pass_directions(run, call)
-    return got is not None and got[1]
-
-
-def _rerun(calls: list) -> set:
-    """Indices of a site's self-attention passes that decode with no cache by running the whole prefix again: runs
-    of three passes or more, each one query longer than the pass before (TextBox's TransformerEncDec.generate, whose
-    decoder was called causal in training); empty where there are none."""
-    found, run = set(), []
-    for n, call in enumerate(calls):
-        square = call.shape[2] == call.shape[3] and not cross(call)
-        if square and run and call.shape[2] == calls[run[-1]].shape[2] + 1:
-            run.append(n)
-            continue
-        found.update(run if len(run) >= 3 else ())
-        run = [n] if square else []
-    return found | set(run if len(run) >= 3 else ())
 
 
 def _decode_follows(calls: list) -> bool:
