@@ -1119,3 +1119,12 @@ def test_object_queries_as_many_as_the_text_tokens_are_not_read_against_its_padd
     status, found, report = traced(tmp_path, "object_queries_over_text_then_box_prompts", False, QUIET)
     assert status == 0 and not [f for f in found if f["code"] == "padding-ignored"], report
     assert "every sample matches its text alone" in report
+
+
+def test_torchtextclassifiers_label_attention_never_handed_the_mask(tmp_path):
+    """InseeFrLab/torchTextClassifiers 49caf94 (written blind, blind-pz, caught before tuning): TextEmbedder calls its
+    LabelAttentionClassifier without the attention_mask, so each label's query attends the pads of the shorter texts
+    (right-padded, pad id 0); the fix passes `attention_mask == 1` as a (B, 1, 1, T) bool mask. Row 2 (3 real tokens
+    of 8) is the one the finding names first: its pad 5 seen."""
+    [hit, *_] = check_bug(tmp_path, "torchtextclassifiers_label_attention_mask_never_passed", "padding-ignored")
+    assert hit["cell"][0] == 2 and hit["cell"][2] >= 3, hit

@@ -314,3 +314,10 @@ def test_torchtext_roberta_bool_mask_masked_fill_stays_bool(tmp_path):
     hit = check_bug(tmp_path, "torchtext_roberta_bool_attn_mask_masked_fill_stays_bool", "bool-added")[0]
     tokens = 8  # (its batch's padded length: the causal mask is triu(ones(8, 8), 1).bool())
     assert hit["message"].startswith(f"a bool mask (1, {tokens}, {tokens}) is added to the scores")
+
+
+def test_paligemma_from_scratch_adds_its_bool_prefill_mask_to_the_scores(tmp_path):
+    """YYZhang2025/Pali-Gemma 55a5faf (written blind, blind-qc, caught before tuning): the prefill mask, a bool of
+    causal AND padding, is added to the scores (+1 / +0), so targets see later tokens and the padding; the fix fills
+    -inf where it is False."""
+    check_bug(tmp_path, "paligemma_scratch_bool_mask_added_to_scores", "bool-added")
