@@ -14,8 +14,9 @@ CONFIG = {rule.code for rule in config.RULES}
 SAID_BY = {  # a code left out of a group where one of these says the same bug with its source
     "layer-differs": CONFIG,  # the config rule names the layer's type (layers.py would say it again)
     "fully-masked": {"fill-became-inf (wrong)", "padding-on-queries", "document-row-empty",
-                     "nan-rows-backward", "mask-fixed-after-call", "bos-masked"},  # (the BOS row masked: bosmasked.py)  # the NaN rows, said with the fill that overflowed
-    # (dtypes.py); the padded query rows of a padding laid on the query axis (queryaxis.py)
+                     "nan-rows-backward", "mask-fixed-after-call", "bos-masked"},  # the NaN rows, said with the fill
+    # that overflowed (dtypes.py); the padded query rows of a padding laid on the query axis (queryaxis.py); a BOS's own
+    # row, which sees no key once the mask hides the BOS (bosmasked.py)
     "sees-later": {"padding-on-queries",  # the real rows that see the pads after them: the same padding's axis
                    "mask-sliced-apart"},  # (a held causal mask's window with its rows one token on: the slice said)
     "padding-lost": {"padding-ignored"},
