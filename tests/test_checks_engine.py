@@ -366,6 +366,9 @@ _FLEX = {"packed_documents_flex_cu_seqlens", "self_forcing_block_causal_video", 
          "quiet_lingua_flex_doc_causal_block_mask",
          "quiet_selfforcing_wan_blockwise_causal_flex", "quiet_torchtune_packed_flex_block_causal",
          "quiet_transfusion_pytorch_flex_modality_bidirectional_spans", "quiet_self_forcing_wan_blockwise_causal_frame_flex_mask"}
+# programs that patch a library for the rest of the process (kvpress wraps every function of transformers'
+# ALL_ATTENTION_FUNCTIONS, and never unwraps them: a later test's Marian would look for kvpress's attributes)
+_APART = {"quiet_kvpress_duo_attention_streaming_heads_fake_keys_question_decode"}
 # softmax over the queries (slot attention's slots compete for each input): not attention over keys, so no call is
 # recorded, and the report says 0 calls rather than reading the slots as keys; and BiDAF's trilinear similarity (a
 # Linear over [p; q; p * q], no product of queries and keys) is scores trace does not know as such
@@ -416,7 +419,7 @@ def test_no_alarm_on_correct_programs_written_blind(tmp_path, name):
         pytest.importorskip("transformers")
     out = tmp_path / f"{name}.json"
     program = QUIET_BLIND / f"{name}.py"
-    if name in _FLEX:
+    if name in _FLEX or name in _APART:
         done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", str(out), str(program)],
                               capture_output=True, text=True, timeout=300)
         status, report = done.returncode, done.stdout + done.stderr
