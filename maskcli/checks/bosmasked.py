@@ -19,23 +19,19 @@ import numpy as np
 
 from maskcli.checks.context import Run, keep, queries
 from maskcli.checks.real import by_row
+from maskcli.checks.padruns import stated_bos
 from maskcli.checks.registry import Rule
 from maskcli.checks.tokens import _ids, _pad, _start_token
 from maskcli.text import Finding
 
 
-def _bos(top) -> int | None:
-    bos = top.arguments.get("tokenizer_bos_id", getattr(top.config, "bos_token_id", None))
-    return bos if isinstance(bos, int) and not isinstance(bos, bool) else None
-
-
 def _masked_bos(run: Run, top) -> tuple[np.ndarray, int, str] | None:
-    """(ids (B, L), the BOS = pad id, where the pad id is said) where every row's first token is the BOS the mask
-    marks padding in a right-padded batch; None elsewhere."""
+    """(the attention_mask (B, L), the BOS = pad id, where the pad id is said) where every row's first token is the
+    BOS the mask marks padding in a right-padded batch; None elsewhere."""
     arguments = top.arguments
     ids, given, said = _ids(arguments), arguments.get("attention_mask"), _pad(arguments)
     if ids is None or said is None or not isinstance(given, np.ndarray) or given.shape != ids.shape or ids.ndim != 2 \
-            or ids.shape[1] < 3 or _bos(top) != said[0]:
+            or ids.shape[1] < 3 or stated_bos(top) != said[0]:
         return None
     pad_id = said[0]
     at_pad = ids == pad_id
@@ -49,7 +45,7 @@ def _masked_bos(run: Run, top) -> tuple[np.ndarray, int, str] | None:
     padded = (columns >= ids.shape[1] - tail[:, None])[:, 1:]  # (each row's tail at the pad id, past its BOS)
     if not right.any() or not ((given[:, 1:] == 0) == padded)[right].all():
         return None  # (no row padded on the right, marked so: the first token may be padding after all)
-    return ids, pad_id, said[1]
+    return given, pad_id, said[1]
 
 
 def bos_masked(run: Run) -> list:
@@ -59,8 +55,8 @@ def bos_masked(run: Run) -> list:
         got = _masked_bos(run, top)
         if got is None:
             continue
-        ids, pad_id, said = got
-        rows, length = ids.shape
+        given, pad_id, said = got
+        rows, length = given.shape
         for call in run.made_by(top):
             if call.shape[0] not in (1, rows) or call.shape[3] != length or call.stored is None:
                 continue
@@ -68,7 +64,7 @@ def bos_masked(run: Run) -> list:
             if cells is None:
                 continue
             own = queries(call, top)
-            real = top.arguments["attention_mask"][:, own.clip(0, length - 1)] == 1  # (the row's text, after its BOS)
+            real = given[:, own.clip(0, length - 1)] == 1  # (the row's text, after its BOS)
             hidden = ~by_row(cells, rows)[:, :, 0] & real & (own >= 1)[None, :]
             if not hidden.any():
                 continue

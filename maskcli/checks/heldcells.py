@@ -79,10 +79,8 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
             if found is not None:
                 return found
             continue
-        if table.shape[-2:] != (q_len, k_len) or table.ndim == 3 and table.shape[0] not in (1, rows):
-            continue
-        table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
-        if table.all() or not table.any():
+        table = _laid(table, rows, q_len, k_len)
+        if table is None or table.all() or not table.any():
             continue
         if held.get("square") and cells.all():  # (a call that masks nothing unmasks no padding row on purpose: the
             counted = np.ones_like(counted)  # (Lq, Lk) mask dropped; _square's come last, after the cells masks)
@@ -118,15 +116,22 @@ def _discarded(cells: np.ndarray, helds, rows: int, q_len: int, k_len: int) -> n
     mask the program holds (the one it refined, in a frame further out) is asked of them."""
     gone = np.zeros((rows, q_len), dtype=bool)
     for held in helds:
-        table = held["rows"]
-        if table.ndim not in (2, 3) or table.shape[-2:] != (q_len, k_len) or table.ndim == 3 and table.shape[0] not in (1, rows):
+        table = _laid(held["rows"], rows, q_len, k_len)
+        if table is None:
             continue
-        table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
         for hides in (table, ~table):  # (True = masked; True = keep)
             whole = hides.all(axis=2)
             if whole.any() and not whole.all() and not (cells & hides & ~whole[:, :, None]).any():
                 gone |= whole
     return gone
+
+
+def _laid(table: np.ndarray, rows: int, q_len: int, k_len: int) -> np.ndarray | None:
+    """A held cells table, (Lq, Lk) or (1 or rows, Lq, Lk), broadcast over the call's (rows, Lq, Lk); None where it is
+    not over the call's cells."""
+    if table.ndim not in (2, 3) or table.shape[-2:] != (q_len, k_len) or table.ndim == 3 and table.shape[0] not in (1, rows):
+        return None
+    return np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
 
 
 def _request_finding(call, held, cells: np.ndarray, counted: np.ndarray) -> Finding | None:

@@ -55,12 +55,18 @@ def disagreeing(top, calls, at_pad: np.ndarray, given: np.ndarray, pad_id: int, 
     return []
 
 
+def stated_bos(top) -> int | None:
+    """The BOS id the model call's tokenizer or config states; None where neither states an integer one."""
+    bos = top.arguments.get("tokenizer_bos_id", getattr(top.config, "bos_token_id", None))
+    return bos if isinstance(bos, int) and not isinstance(bos, bool) else None
+
+
 def at_bos(ids: np.ndarray | None, top, pad_id: int | None, shape: tuple | None = None) -> np.ndarray:
     """Bool (B, L): the ids at the BOS id the model call's tokenizer or config states (not also the pad id); a 0-d
     False where none is stated. A BOS the attention_mask marks 0 inside a row starts a later packed example, masked on
     purpose (axolotl#131's ConstantLengthDataset), not text hidden (checks/tokens.py's real-tokens-masked)."""
-    bos = top.arguments.get("tokenizer_bos_id", getattr(top.config, "bos_token_id", None))
-    stated = isinstance(bos, int) and not isinstance(bos, bool) and bos != pad_id and ids is not None \
+    bos = stated_bos(top)
+    stated = bos is not None and bos != pad_id and ids is not None \
         and (shape is None or ids.shape == shape)  # (`shape`: the mask's the ids must lie over)
     return np.asarray(ids == bos) if stated else np.asarray(False)
 
