@@ -1254,3 +1254,26 @@ def test_rows_before_the_context_opened_whole_are_still_held_to_the_mask(tmp_pat
     status, found, report = traced(tmp_path, "opened", False, tmp_path)
     assert status == 1, report
     assert {"held-mask-ignored", "causal-lost"} <= {f["code"] for f in found if f["severity"] == "wrong"}, report
+
+
+def test_a_keep_mask_named_padding_where_the_run_names_it_real_too_is_not_turned_round(tmp_path):
+    """keras-io#1997's fix (tests/data/bugs): Keras's masks are 1 = real, and the decoder's cross-attention is handed
+    the encoder's `mask` (which its encoder frame holds under that name) as `encoder_outputs_padding_mask`, read by
+    name as True = padding. The kernel keeps its real keys, the complement of that reading; the run names the same
+    rows both ways round, so neither is a statement the mask contradicts: no padding-only-attended. The same kernel
+    with the mask held only under the padding name is still read as turned round."""
+    from checkbugs import BUGS
+
+    name = "keras_io_nmt_decoder_cross_attention_masked_by_target_padding"
+    status, found, report = traced(tmp_path, name, True, BUGS)
+    assert "padding-only-attended" not in {f["code"] for f in found}, report
+    text = (BUGS / f"{name}.py").read_text()
+    once = text.replace("    def forward(self, inputs, mask=None):\n        padding_mask = None\n        if mask is not None:\n"
+                        "            padding_mask = mask[:, None, :].int()",
+                        "    def forward(self, inputs, keep=None):\n        padding_mask = None\n        if keep is not None:\n"
+                        "            padding_mask = keep[:, None, :].int()").replace(
+                        "self.encoder(x, mask=encoder_mask)", "self.encoder(x, keep=encoder_mask)")
+    assert once != text
+    (tmp_path / "once.py").write_text(once)
+    status, found, report = traced(tmp_path, "once", True, tmp_path)
+    assert "padding-only-attended" in {f["code"] for f in found}, report

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from checkbugs import first, traced
+from checkbugs import BUGS, first, traced
 from pathlib import Path
 import pytest
 
@@ -673,3 +673,18 @@ def test_a_fusion_layers_cross_attention_over_an_unpadded_image_is_not_read_agai
     memory's padding. The same program flagged before (tests/data/memory/, written another way) is quiet."""
     status, found, report = traced(tmp_path, "fusion_layer_text_padding_then_image_cross_attention", False, MEMORY)
     assert status == 0 and [f for f in found if f["code"] == "encoder-padding-ignored"] == [], report
+
+
+def test_keras_io_translation_decoder_cross_attention_masked_by_the_targets_padding(tmp_path):
+    """keras-team/keras-io#1997 (written blind, blind-qg, caught before any rule changed for it): the English-to-Spanish
+    example's decoder hands its cross-attention the target's causal & padding mask, (T, T) laid over the source keys:
+    batch row 0 (3 English tokens of 8) has decoder query 3 see encoder key 3, which the encoder's own self-attention
+    masks. The fix hands key_mask=the encoder's padding: no encoder-padding-ignored, and its keras-style
+    `encoder_outputs_padding_mask` (1 = real, the encoder's `mask`) is not read as turned round (test_checks_held)."""
+    name = "keras_io_nmt_decoder_cross_attention_masked_by_target_padding"
+    status, found, report = traced(tmp_path, name, False, BUGS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "encoder-padding-ignored" and f["severity"] == "wrong")
+    assert tuple(hit["cell"]) == (0, 3, 3) and "encoder.attention" in hit["message"], hit
+    status, found, report = traced(tmp_path, name, True, BUGS)
+    assert not {"encoder-padding-ignored", "padding-only-attended"} & {f["code"] for f in found}, report

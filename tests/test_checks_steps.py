@@ -564,3 +564,12 @@ def test_a_prefix_run_again_is_three_passes_each_one_query_longer(monkeypatch):
                                       ([2, 3, 4, 5, 6], (), (1, 3)), ([2, 3, 4, 5], (), (0, 1, 2, 3))]:
         got = rerun.rerun_passes(calls(lengths, crossing, causal))
         assert got == reference(lengths, crossing, causal), (lengths, crossing, causal)
+
+
+def test_a_one_query_step_over_a_row_whose_stated_length_is_one_is_not_top_left(tmp_path):
+    """ScalingIntelligence/hydragen's decomposition (written blind, quiet-r103a): the unique suffix is right padded and
+    read while n < seq_len[z], one row z at a time; a row of length 1 keeps key 0 alone out of 9, as a top-left causal
+    step at position 8 would. The lengths the program holds state that row's one key: no top-left-mask."""
+    folder = Path(__file__).parent / "data" / "quiet_blind"
+    status, found, report = traced(tmp_path, "quiet_hydragen_shared_prefix_lse_decomposition", False, folder)
+    assert status == 0 and "top-left-mask" not in {f["code"] for f in found}, report

@@ -32,6 +32,15 @@ def test_fairseq_wav2vec2_frame_mask_reshaped_from_samples(tmp_path):
     assert hit["cell"] == [0, 0, real] and f"make {real} frames of them" in hit["message"]
 
 
+def test_fairseq_hubert_frame_mask_reshaped_from_samples(tmp_path):
+    """facebookresearch/fairseq#3572 (written blind, blind-qd, caught before any rule changed for it): HuBERT's copy of
+    #3227's reshape-and-all, `forward_padding_mask`; 260 real samples of 400 in batch row 1 make 12 frames through
+    the convs (10/5, 3/2, 2/2), and the encoder's key_padding_mask keeps a 13th."""
+    [hit] = check_bug(tmp_path, "fairseq_hubert_forward_padding_mask_frame_view_all", "padded-frames-attended")
+    real = made(260, [conv1d(10, 5), conv1d(3, 2), conv1d(2, 2)])
+    assert hit["cell"] == [1, 0, real] and f"make {real} frames of them" in hit["message"], hit
+
+
 def test_qefficient_cohere_asr_encoder_run_without_its_frame_mask(tmp_path):
     """quic/efficient-transformers abe7288a1 (written blind, batch blind-aw): the QPC forward ran the Parakeet encoder
     with no padding mask over a batch whose short clip has 41 real samples of 96: its strided convs make 6 frames of

@@ -33,7 +33,7 @@ from maskcli.checks.heldfold import folded_padding, handed_batch, over_memory, p
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.heldlengths import by_lengths
 from maskcli.checks.heldscript import script_padding
-from maskcli.checks.heldzero import own_called_padding, zeroed_as_real
+from maskcli.checks.heldzero import named_other_way, own_called_padding, zeroed_as_real
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.registry import Rule
 from maskcli.checks.tiled import batch_part
@@ -367,9 +367,9 @@ def held_inverted(run: Run) -> list:
                     else:
                         continue
                     if after_every_query(call, run, real[padded], at) or zeroed_as_real(call, real, padded, at) \
-                            or own_called_padding(run, call, real, padded, at):
-                        continue  # (the complement is then causality itself: it says nothing of which way round;
-                        # or those it calls real the program zeroed in K; or a decode's own token padding: heldzero.py)
+                            or own_called_padding(run, call, real, padded, at) or named_other_way(run, held):
+                        continue  # (the complement is then causality itself: it says nothing of which way round; or
+                        # those it calls real the program zeroed in K, or names real; or a decode's own token padding)
                     b = int(np.flatnonzero(padded)[0])
                     k = int(np.flatnonzero(~real[b])[0]) + at
                     said = f"{held['name']} in {held['where']}"

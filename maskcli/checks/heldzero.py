@@ -4,7 +4,9 @@ A padding mask named as padding (`padding_mask`: True = padding by name) may hol
 `padding_mask = text != pad`). Where, in every padded row, the keys that reading calls real are exactly the keys the
 program zeroed in K before the call (Dia's `k.masked_fill(~padding_mask, 0)`), the program states the other reading:
 its mask is a keep mask, and a kernel that keeps those keys' complement keeps its real keys (held.py's
-padding-only-attended is quiet then).
+padding-only-attended is quiet then). So does the program's holding the very same rows, elsewhere in the run, under a
+name of the other way round (keras-io's translation example: the encoder's `mask`, 1 = real, handed to the decoder as
+`encoder_outputs_padding_mask`): its names disagree, so neither is a statement the kernel's mask contradicts.
 
 So does a decode step behind a cache: the token it feeds is real, so a reading that calls every padded row's own
 query key padding is not the program's (mesh-transformer-jax's GPT-J decode: `attention_mask = arange(length) <
@@ -40,3 +42,11 @@ def own_called_padding(run, call, real: np.ndarray, padded: np.ndarray, at: int)
     if not positions or not len(columns) or columns.min() < 0 or columns.max() >= real.shape[1]:
         return False
     return not real[padded][:, columns].any()
+
+
+def named_other_way(run, held: dict) -> bool:
+    """Whether the run holds `held`'s rows (a "keep" or "pad" table) at some call under a name of the other way round."""
+    other = {"keep": "pad", "pad": "keep"}.get(held["kind"])
+    return other is not None and any(
+        one["kind"] == other and one["rows"].shape == held["rows"].shape and np.array_equal(one["rows"], held["rows"])
+        for call in (*run.calls, *run.cross) for one in call.details.get("held_padding") or ())

@@ -39,7 +39,7 @@ READS = ("call", "site", "steps", "batch", "ranks")
 GIVEN = ("run", "cells", "named", "scores", "kernel", "tensor", "stages", "mask", "batch", "layout", "split", "part", "metadata",
          "expectations", "layer-masks", "request-steps", "ranks")
 MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", "rolled", "paged", "arguments",
-           "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "bosmasked", "layers", "dtypes",
+           "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "bosmasked", "flatgrid", "layers", "dtypes",
            "softmaxed", "padflag", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes",
            "stages", "packing", "held", "padids", "heldcells", "frames", "subsampled", "patches", "nans", "segments", "withheld", "swin", "across",
            "crosspad", "crossq", "batchaxis", "decoders", "headrows", "evicted", "media", "shard", "serve", "servemasks",

@@ -232,13 +232,24 @@ def alignment(run: Run) -> list:
         if cells is None or (cells & (np.arange(k_len)[None, :] > np.arange(q_len)[:, None])).any():
             continue  # a query that sees a key past its row number: not top-left causal, padded or not (padding only
             # takes cells away), so `equals` cannot hold (most decode steps stop here)
-        if equals(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)):
+        if equals(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)) and not _stated_length(call, cells):
             found.append((call, Finding("top-left-mask", (
                 f"at step {call.step} the mask is causal aligned top-left: query {int(own[0])} sees keys 0..0 only, "
                 f"not the {int(own[0])} keys before it (a mask sliced as mask[:Lq, :Lk]; bottom-right is "
                 f"mask[Lk - Lq:Lk, :Lk])"), expected=f"causal with the queries at {int(own[0])}..{int(own[-1])}",
                 source=f"{call.where}: {k_len - q_len} earlier keys", cell=(0, int(own[0]), 1))))
     return found
+
+
+def _stated_length(call, cells: np.ndarray) -> bool:
+    """Whether every query sees exactly the keys before one length the lengths the program holds at the call state
+    (hydragen's split-K decode over a right-padded suffix, read while n < seq_len[z], one row z at a time: a row of
+    length 1 keeps key 0 alone, as a top-left step would): the mask is that row's padding, which the program states."""
+    for held in call.details.get("held_padding") or ():
+        if held["kind"] == "lengths" and any(
+                (cells == (np.arange(cells.shape[-1]) < n)).all() for n in {int(n) for n in held["rows"]}):
+            return True
+    return False
 
 
 def _at_start(call) -> bool:

@@ -1,0 +1,85 @@
+"""A model with multimodal rope handed one position per token over an image's tokens: the image laid out as text.
+
+Qwen2-VL's rope (and Qwen2.5-VL's, Qwen3-VL's, GLM-4V's: a config whose rope parameters carry an `mrope_section`)
+rotates each token by three positions, (t, h, w): text counts on in all three alike, an image's tokens sit on their
+grid (one t, h by row, w by column: `get_rope_index`, from the `image_grid_thw` the call is handed). Handed
+`position_ids` of one row per sample (B, L), transformers' Qwen2-VL copies them into t, h and w alike
+(`position_ids[None].expand(3, ...)`), so an image of more than one token is rotated as a run of text: its tokens
+one after another in every section, and the text after it counted from its last. Where that model call holds an
+image's tokens (its config's `image_token_id` or `video_token_id` among the input ids, a grid of the call's
+`image_grid_thw` / `video_grid_thw` rows more than one token), the program states a grid the positions it handed
+cannot express: wrong (verl#1947: the dataset built 3-D positions only for an image processor class named exactly
+`Qwen2VLImageProcessor`, and 1-D ones from the padding for any other). Quiet where the call is handed the (3 or 4,
+B, L) ids, or no position_ids (the model computes them), and on a call whose input holds no image token (a decode
+step's new token).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.configread import read, text_part
+from maskcli.checks.context import Run
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def _multimodal_rope(config) -> bool:
+    """The config (or its text part) states multimodal rope: rope parameters with an `mrope_section`."""
+    for part in (config, text_part(config)):
+        for name in ("rope_parameters", "rope_scaling"):
+            held = read(part, name)
+            if isinstance(held, dict) and held.get("mrope_section"):
+                return True
+    return False
+
+
+def _image_runs(ids: np.ndarray, image: int) -> tuple[int, int, int] | None:
+    """(batch row, first, last) of the first run of two or more image tokens along a row, else None."""
+    at = ids == image
+    starts = at[:, 1:] & at[:, :-1]
+    if not starts.any():
+        return None
+    b, j = (int(x) for x in np.argwhere(starts)[0])
+    end = j + 1
+    while end + 1 < ids.shape[1] and at[b, end + 1]:
+        end += 1
+    return b, j, end
+
+
+def flat_grid(run: Run) -> list:
+    """Model calls of a multimodal-rope model handed (B, L) position_ids over an image's tokens."""
+    found, done = [], set()
+    for call in run.calls:
+        top = run.top(call)
+        if top is None or id(top) in done:
+            continue
+        done.add(id(top))
+        arguments = top.arguments
+        positions, ids = arguments.get("position_ids"), arguments.get("input_ids")
+        grids = [arguments[n] for n in ("image_grid_thw", "video_grid_thw") if isinstance(arguments.get(n), np.ndarray)]
+        if not grids or not isinstance(positions, np.ndarray) or positions.ndim != 2 or not isinstance(ids, np.ndarray) \
+                or ids.ndim != 2 or positions.shape[1] != ids.shape[1] or top.config is None \
+                or not _multimodal_rope(top.config):
+            continue
+        tokens = [t for n in ("image_token_id", "video_token_id") if isinstance(t := read(top.config, n), int)]
+        runs = next(((t, r) for t in tokens if (r := _image_runs(ids, t)) is not None), None)
+        if runs is None or not any(g.ndim == 2 and g.shape[1] == 3 and (g.prod(axis=1) > 1).any() for g in grids):
+            continue
+        token, (b, first, last) = runs
+        rows = positions[b] if positions.shape[0] > b else positions[0]
+        found.append((call, Finding("flat-image-positions", (
+            f"{top.where} was handed position_ids of one row per sample {tuple(positions.shape)} beside an image "
+            f"grid, with rope parameters that state multimodal rope (mrope_section): batch row {b}'s image tokens "
+            f"{first}-{last} (id {token}) are at positions {int(rows[first])}-{int(rows[last])} in t, h and w alike, "
+            f"one after another as text, not on their (t, h, w) grid (hand the model its get_rope_index ids, "
+            f"(3, B, L), or no position_ids)"), expected="(t, h, w) grid positions from get_rope_index",
+            source=f"position_ids of {top.where}", cell=(b, first, first))))
+    return found
+
+
+RULES = (
+    Rule("flat-image-positions", "wrong", "call", "a model whose rope parameters state multimodal rope (mrope_section) "
+         "handed (B, L) position_ids over an image of more than one token: the image rotated as a run of text, not "
+         "on its (t, h, w) grid", flat_grid),
+)

@@ -1,0 +1,45 @@
+"""checks/flatgrid.py: a multimodal-rope model handed (B, L) position_ids over an image of more than one token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from checkbugs import check_bug, traced
+
+pytest.importorskip("transformers")
+
+BLIND = Path(__file__).parent / "data" / "blind"
+FLATGRID = Path(__file__).parent / "data" / "flatgrid"
+
+
+def test_verl_dataset_builds_text_positions_for_a_qwen2vl_processor_of_another_class_name(tmp_path):
+    """verl-project/verl#1947 (written blind, blind-qe, caught after tuning): RLHFDataset builds Qwen2-VL's 3-D rope
+    ids only for an image processor class named exactly Qwen2VLImageProcessor; the PIL one gets `position_ids` from the
+    padding, (B, L). Batch row 0 is left-padded by 21: its image's 6 tokens (24-29) sit at positions 3-8 in t, h and
+    w alike."""
+    [hit] = check_bug(tmp_path, "verl_rl_dataset_qwen2vl_processor_name_check_text_positions", "flat-image-positions",
+                      BLIND)
+    assert tuple(hit["cell"]) == (0, 24, 24) and "image tokens 24-29 (id 5) are at positions 3-8" in hit["message"], hit
+
+
+def test_a_qwen25vl_collator_that_counts_positions_from_the_padding(tmp_path):
+    """Written another way: a Qwen2.5-VL fine-tuning step handed `attention_mask.cumsum(-1) - 1` beside two images
+    (grids 1x4x6 and 1x4x4, merged 2x2: 6 and 4 tokens); row 0's image tokens follow its two text tokens and the
+    vision start, 3-8. --fixed hands no position_ids (the model computes the grid): quiet."""
+    [hit] = check_bug(tmp_path, "qwen25vl_sft_positions_from_padding_cumsum", "flat-image-positions", FLATGRID)
+    assert tuple(hit["cell"]) == (0, 3, 3) and "(2, 13)" in hit["message"], hit
+
+
+def test_text_only_positions_handed_to_a_multimodal_rope_model_are_quiet(tmp_path):
+    """The same step over text alone (no image tokens, no grid): (B, L) positions are what transformers expands for
+    text, which counts on in t, h and w alike."""
+    text = (FLATGRID / "qwen25vl_sft_positions_from_padding_cumsum.py").read_text()
+    alone = text.replace("pixel_values=pixel_values,\n                image_grid_thw=image_grid_thw, "
+                         "mm_token_type_ids=mm_token_type_ids, ", "").replace(
+        "ids = [*text_before, START, *[IMAGE] * n_image, END, *text_after]", "ids = [*text_before, *text_after]")
+    assert alone != text
+    (tmp_path / "alone.py").write_text(alone)
+    status, found, report = traced(tmp_path, "alone", False, tmp_path)
+    assert "flat-image-positions" not in {f["code"] for f in found}, report
