@@ -1277,3 +1277,52 @@ def test_a_keep_mask_named_padding_where_the_run_names_it_real_too_is_not_turned
     (tmp_path / "once.py").write_text(once)
     status, found, report = traced(tmp_path, "once", True, tmp_path)
     assert "padding-only-attended" in {f["code"] for f in found}, report
+
+
+def test_detrex_conditional_self_attention_never_applies_the_images_padding(tmp_path):
+    """IDEA-Research/detrex 28f3d0d (written blind, blind-qm, caught after tuning): ConditionalSelfAttention took
+    `key_padding_mask` (DETR's padded pixels, True = padding, flattened from (B, H, W)) and never applied it. Image 1 is
+    7 of 12 patches wide and 6 of 8 tall: its first row's query sees key 7, the first padded patch."""
+    [hit] = check_bug(tmp_path, "detrex_conditional_self_attention_masks_ignored", "padding-unused",
+                      Path(__file__).parent / "data" / "blind")
+    assert tuple(hit["cell"]) == (1, 0, 7) and "key_padding_mask in forward()" in hit["message"], hit
+
+
+def test_an_encoder_layer_that_drops_the_images_padding_mask(tmp_path):
+    """Written another way: a DETR-style encoder over a 5 x 7 and an 8 x 4 patch image padded to 8 x 7, whose layer
+    takes `src_key_padding_mask` and calls nn.MultiheadAttention without it. Image 0's rows 5-7 are padding: its query 0
+    sees key 35. --fixed hands it on: quiet."""
+    [hit] = check_bug(tmp_path, "detr_encoder_layer_drops_src_key_padding_mask", "padding-unused",
+                      Path(__file__).parent / "data" / "imagepad")
+    assert tuple(hit["cell"]) == (0, 0, 35), hit
+
+
+@pytest.mark.parametrize("real, image", [
+    ([[1] * 12, [1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]], True),  # (width 3: 2 x 2 of 4 x 3, 2 rows, and a whole image)
+    ([[1] * 12, [1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]], True),  # (right padding is a rectangle too: 1 x 6 of 2 x 6)
+    ([[1] * 12, [0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], False),  # (left padding: not bottom-right)
+    ([[1] * 12, [1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0]], True),  # (width 2: one column of two)
+    ([[1] * 12, [1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1]], False),  # (holes inside the rows)
+    ([[1] * 12, [1] * 12], False),  # (no padding)
+])
+def test_image_padding_against_a_double_loop(real, image):
+    """heldfold.image_padding: some width W whose (H, W) grid holds each row's real cells as a top-left rectangle,
+    checked against a double loop over every width and every cell."""
+    from maskcli.checks.heldfold import image_padding
+
+    table = np.array(real, dtype=bool)
+    rows, length = table.shape
+
+    def fits(width):
+        height = length // width
+        spans = []
+        for b in range(rows):
+            tall = sum(1 for r in range(height) if table[b, r * width])
+            wide = sum(1 for c in range(width) if table[b, c])
+            if any(table[b, r * width + c] != (r < tall and c < wide) for r in range(height) for c in range(width)):
+                return False
+            spans.append((tall, wide))
+        return min(min(s) for s in spans) > 0 and max(t for t, _ in spans) == height \
+            and max(w for _, w in spans) == width and not table.all()
+
+    assert image_padding(table) == image == any(fits(w) for w in range(2, length // 2 + 1) if length % w == 0)

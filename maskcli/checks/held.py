@@ -4,13 +4,13 @@ A function of the program on the stack when attention runs holds this batch's pa
 one (`attention_mask`, `mask`, `input_mask`: 1 = a real token; `*padding_mask`, `*pad_mask`, `*is_pad`: True = padding)
 or the batch's lengths (`lengths`, `*_lens`; SpeechBrain's relative `wav_lens`, each row's share of the padded length,
 read right-padded, a key within one of the share's end given the benefit of the doubt). Where the kernel's mask lets a
-real query see a key that padding calls padding, the mask was built and never handed on (uniem#23: the pad mask used for
-pooling only; SpeechBrain#1107: the decoder's memory lengths never reach its cross-attention; OpenTau#254: the padded
-history frames never reach the temporal attention).
+real query see a key that padding calls padding, the mask was built and never handed on (uniem#23: the pad mask for
+pooling only; SpeechBrain#1107: memory lengths never reaching a cross-attention; OpenTau#254: padded temporal frames).
 
 What is read as padding, so that a mask meant otherwise (a loss mask, a masked-LM's choice) is not: each row one run of
 real tokens at one edge, every row with a real token, and one row with no padding at all (the longest sample); a plain
-`mask` only right-padded (the loss mask of a prompt is zeros at the start). Its keys are exactly the call's keys. Where
+`mask` only right-padded (the loss mask of a prompt is zeros at the start); a mask named as padding may also be images'
+padded pixels, flattened (heldfold.image_padding: detrex's ConditionalSelfAttention took DETR's and never used it). Where
 it cannot say which way the program's padding lies along the keys (lengths: right- or left-padded) or along a batch
 folded with other rows (`b * n` rows: repeat_interleave or repeat), it speaks only where every reading is seen through:
 a program whose mask keeps to its padding one way is quiet. Several held paddings: quiet where any is kept to.
@@ -29,7 +29,7 @@ import numpy as np
 from maskcli.checks.arguments import counts_on, document_starts, padded_positions
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries, real_queries
 from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, handed_elsewhere, seen_both_ways, stated_instead
-from maskcli.checks.heldfold import folded_padding, handed_batch, over_memory, padded_batch as _padding, rows_of
+from maskcli.checks.heldfold import folded_padding, handed_batch, image_padding, over_memory, padded_batch as _padding, rows_of
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.heldlengths import by_lengths
 from maskcli.checks.heldscript import script_padding
@@ -60,7 +60,7 @@ def readings(held: dict, rows: int, length: int, ids: tuple = ()) -> list[np.nda
             return []
         real = found if held["kind"] == "keep" else ~found
         if not _padding(real[:, :held.get("over_cache", length)], right_only=held["name"] == "mask") \
-                and not _at_one_id(real, ids):  # (a prompt's padding laid over a cache: heldkeys.py, its prompt read)
+                and not _at_one_id(real, ids) and not (held["kind"] == "pad" and image_padding(real)):  # (a cache: heldkeys.py)
             return []
         tables = [real]
     size = tables[0].shape[0]

@@ -31,6 +31,24 @@ def padded_batch(real: np.ndarray, right_only: bool) -> bool:
     return bool(right.all() or not right_only and (left.all() or (right | left).all()))
 
 
+def image_padding(real: np.ndarray) -> bool:
+    """Each row the real pixels of an image padded on the bottom and the right to the batch's largest height and width,
+    flattened ((B, H, W) -> (B, H * W): DETR's `NestedTensor` mask, `mask.flatten(1)`): for some width W, each row a
+    top-left rectangle of the (H, W) grid, some row padded, some row as wide as W and some as tall as H."""
+    rows, length = real.shape
+    for width in range(2, length // 2 + 1):
+        if length % width:
+            continue
+        grid = real.reshape(rows, length // width, width)
+        tall, wide = grid[:, :, 0].sum(axis=1), grid[:, 0, :].sum(axis=1)
+        made = (np.arange(length // width)[None, :, None] < tall[:, None, None]) \
+            & (np.arange(width)[None, None, :] < wide[:, None, None])
+        if (grid == made).all() and tall.min() > 0 and wide.min() > 0 and not real.all() \
+                and tall.max() == length // width and wide.max() == width:
+            return True
+    return False
+
+
 def over_memory(call) -> bool:
     """A call whose keys are a memory its attention layer was handed by name (`context`, `memory`, a method's `kv`, or
     a `key` other than its `query`: ESPnet's `src_attn(x, memory, memory, mask)`; the one reading of cross-attention,

@@ -40,7 +40,7 @@ def own_keys_cut(run: Run) -> list:
         if k_len >= q_len or call.stored is None or call.details.get("slots") is not None:
             continue  # (most calls: a prefill over its own keys, a decode step over its cache)
         read = crossing(call)
-        if read.cross and read.by != "shape":
+        if read.cross and read.by != "shape" or _split(run, call):
             continue
         cells = keep(call)
         if cells is None:
@@ -63,6 +63,17 @@ def own_keys_cut(run: Run) -> list:
             f"than their window): the step's own keys were cut, as a cache bounded to the window hands back"),
             expected=f"window({width}) over the step's own keys", source=str(held[3]), cell=(b, q, 0))))
     return found
+
+
+def _split(run: Run, call) -> bool:
+    """Whether the same queries attended their own keys in another call of the site within the same model call: a
+    square call over as many queries and batch rows (sglang#26513's FlashInfer extend with a cached prefix: a ragged pass
+    over the step's own keys, then a paged pass over the prefix's last window, merged by log-sum-exp; the second holds
+    fewer keys than queries, the first holds their own)."""
+    top, (b_len, _, q_len, _) = run.top(call), call.shape
+    return top is not None and any(
+        other is not call and other.where == call.where and other.shape[0] == b_len and other.shape[2] == other.shape[3]
+        == q_len and run.top(other) is top for other in run.calls)
 
 
 RULES = (
