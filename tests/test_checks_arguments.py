@@ -1128,3 +1128,12 @@ def test_torchtextclassifiers_label_attention_never_handed_the_mask(tmp_path):
     of 8) is the one the finding names first: its pad 5 seen."""
     [hit, *_] = check_bug(tmp_path, "torchtextclassifiers_label_attention_mask_never_passed", "padding-ignored")
     assert hit["cell"][0] == 2 and hit["cell"][2] >= 3, hit
+
+
+def test_transformers_token_classification_pipeline_batched_without_an_attention_mask(tmp_path):
+    """huggingface/transformers#16222 (fixes #16221; written blind, blind-qn, caught before any rule changed for it):
+    TokenClassificationPipeline.preprocess asked the tokenizer for return_attention_mask=False, so a batch of two
+    sentences padded with id 0 reached BERT with no mask: the short sentence's query 0 sees its first pad, key 7."""
+    [hit] = check_bug(tmp_path, "transformers_token_classification_pipeline_batch_without_attention_mask",
+                      "padding-ignored")
+    assert tuple(hit["cell"]) == (0, 0, 7) and "pad id 0" in hit["message"], hit

@@ -287,3 +287,12 @@ def test_a_window_held_both_ways_as_window_left_and_window_right(tmp_path):
     # (the finding names the query and the first key it sees: the buggy path's every real key, from 0)
     assert tuple(hit["cell"]) == (b, q, 0) and hit["expected"] == "band(3)"
     assert "window_left = 2 and window_right = 2" in hit["message"] and "p - 2 .. p + 2" in hit["message"]
+
+
+def test_sglang_flashinfer_swa_extend_over_a_cached_prefix_drops_its_window(tmp_path):
+    """sgl-project/sglang#26513 (written blind, blind-qo, caught before any rule changed for it): FlashInfer's extend
+    over a cached prefix in a sliding-window model handed neither wrapper its window_left, so the ragged pass over the
+    step's own 6 keys lets query 4 see keys 0 .. 4, five real keys where RadixAttention's sliding_window_size 3 spans
+    four. The fix (window_left on both, the paged pass cut to the prefix's last window) is quiet (test_checks_owncut)."""
+    hits = check_bug(tmp_path, "sglang_flashinfer_swa_ragged_prefix_extend_paged_reads_unwritten_slots", "window-dropped")
+    assert tuple(hits[0]["cell"]) == (0, 4, 0) and "sliding_window_size = 3" in hits[0]["message"], hits

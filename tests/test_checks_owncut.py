@@ -33,14 +33,13 @@ def test_rolling_buffer_prefill_with_window_left_written_another_way(tmp_path):
 
 
 def test_a_split_attention_whose_other_part_holds_the_steps_own_keys_is_quiet(tmp_path):
-    """sgl-project/sglang#26513's fix (written blind, blind-qo): FlashInfer's extend over a cached prefix runs a ragged
+    """sgl-project/sglang#26513's fix (written blind, blind-qo, in tests/data/bugs): FlashInfer's extend over a cached prefix runs a ragged
     pass over the step's own 6 keys (window_left 3), then a paged pass of the same 6 queries over the prefix's last 3
     keys, merged by log-sum-exp: the second holds fewer keys than queries and its queries 3-5 see none of them, but the
     first holds their own keys. The bug (the paged pass planned over slots the step has not written) is said by
     window-dropped."""
-    blind = Path(__file__).parent / "data" / "blind"
     name = "sglang_flashinfer_swa_ragged_prefix_extend_paged_reads_unwritten_slots"
-    status, found, report = traced(tmp_path, name, True, blind)
+    status, found, report = traced(tmp_path, name, True)
     assert status == 0 and "own-keys-cut" not in {f["code"] for f in found}, report
-    status, found, report = traced(tmp_path, name, False, blind)
-    assert "window-dropped" in {f["code"] for f in found if f["severity"] == "wrong"}, report
+    status, found, report = traced(tmp_path, name, False)
+    assert "window-dropped" in {f["code"] for f in found if f["severity"] == "wrong"}, report  # (test_checks_handed)

@@ -573,3 +573,12 @@ def test_a_one_query_step_over_a_row_whose_stated_length_is_one_is_not_top_left(
     folder = Path(__file__).parent / "data" / "quiet_blind"
     status, found, report = traced(tmp_path, "quiet_hydragen_shared_prefix_lse_decomposition", False, folder)
     assert status == 0 and "top-left-mask" not in {f["code"] for f in found}, report
+
+
+def test_autoawq_fused_cache_start_pos_kept_across_generate_calls(tmp_path):
+    """casper-hansen/AutoAWQ#178 (df909e8; written blind, blind-qk, caught before any rule changed for it): each fused
+    layer resets `start_pos` only when its cache would overflow, so a second generate's 9-token prompt is masked with
+    `triu(-inf, start_pos + 1)` at start_pos 12, an empty mask: its query 0 sees later key 1, where the first prompt
+    pass of the same site was causal."""
+    hit = check_bug(tmp_path, "autoawq_fused_cache_start_pos_kept_across_generate_calls", "causal-lost")[0]
+    assert tuple(hit["cell"]) == (0, 0, 1) and "step 0 of model.blocks.0 is causal" in hit["message"], hit
