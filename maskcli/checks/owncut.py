@@ -70,10 +70,13 @@ def _split(run: Run, call) -> bool:
     square call over as many queries and batch rows (sglang#26513's FlashInfer extend with a cached prefix: a ragged pass
     over the step's own keys, then a paged pass over the prefix's last window, merged by log-sum-exp; the second holds
     fewer keys than queries, the first holds their own)."""
-    top, (b_len, _, q_len, _) = run.top(call), call.shape
-    return top is not None and any(
-        other is not call and other.where == call.where and other.shape[0] == b_len and other.shape[2] == other.shape[3]
-        == q_len and run.top(other) is top for other in run.calls)
+    top = run.top(call)
+    held = run.__dict__.get("_square_calls")
+    if held is None or held[0] != len(run.calls):  # (read once a run: a site's square calls by model call, rows, queries)
+        held = run.__dict__["_square_calls"] = (len(run.calls), {(one.where, id(run.top(one)), one.shape[0], one.shape[2])
+                                                                 for one in run.calls if one.shape[2] == one.shape[3]})
+    squares = held[1]
+    return top is not None and (call.where, id(top), call.shape[0], call.shape[2]) in squares
 
 
 RULES = (
