@@ -759,3 +759,36 @@ def test_pytorch_transformers_run_squad_segment_ids_fed_as_attention_mask(tmp_pa
     hit = check_bug(tmp_path, "pytorch_transformers_run_squad_segment_ids_fed_as_attention_mask", "real-tokens-masked")[0]
     assert tuple(hit["cell"]) == (0, 0, 0)
     assert "marks padding, but its id is not the model's pad id (0)" in " ".join(hit["message"].split())
+
+
+SEQ2SEQ = Path(__file__).parent / "data" / "seq2seq"
+
+
+def test_paddlenlp_pegasus_decoder_padding_mask_replaces_its_causal_mask(tmp_path):
+    """PaddlePaddle/PaddleNLP#4638 (116114a1; written blind, blind-qt, caught after tuning): #4616 turned a 2-D
+    decoder_attention_mask into an additive padding mask, and PegasusDecoder built its causal mask only where none was
+    handed, so a training step given the targets' mask ran a decoder that sees later targets. The loss trains on
+    `labels`, the decoder inputs one position on: decoder query 0 sees key 1, its own answer."""
+    [hit] = check_bug(tmp_path, "paddlenlp_pegasus_decoder_padding_mask_replaces_causal", "sees-its-target",
+                      Path(__file__).parent / "data" / "blind")
+    assert tuple(hit["cell"]) == (0, 0, 1) and "`decoder_input_ids` of PegasusForConditionalGeneration" in hit["message"]
+
+
+def test_a_seq2seq_whose_decoder_is_handed_no_causal_mask(tmp_path):
+    """Written another way: nn.Transformer with source and target padded to one length (the encoder's and the
+    decoder's self-attention of one shape), `tgt_mask` never built; labels are the decoder inputs one on. Only the
+    decoder's self-attention is read: the encoder attends both ways as it should. --fixed is quiet."""
+    [hit] = check_bug(tmp_path, "nn_transformer_seq2seq_tgt_mask_forgotten", "sees-its-target", SEQ2SEQ)
+    assert tuple(hit["cell"]) == (0, 0, 1) and "`decoder_input_ids` of Seq2Seq shifted by one; 8 such" in hit["message"], hit
+
+
+def test_a_seq2seq_cross_attention_over_a_source_of_the_targets_length_is_not_its_decoder(tmp_path):
+    """The fixed model with its cross-attention handed no source padding (a mask of its own, so not one call group with
+    the encoder's): a square call over as many keys as decoder inputs, inside the decoder, whose keys are the source's
+    (a cross-attention: its query 0 sees source key 1, which is no target). No sees-its-target."""
+    text = (SEQ2SEQ / "nn_transformer_seq2seq_tgt_mask_forgotten.py").read_text()
+    alone = text.replace("memory_key_padding_mask=input_ids == PAD)", "memory_key_padding_mask=None)")
+    assert alone != text
+    (tmp_path / "cross.py").write_text(alone)
+    status, found, report = traced(tmp_path, "cross", True, tmp_path)
+    assert "sees-its-target" not in {f["code"] for f in found}, report

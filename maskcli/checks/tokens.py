@@ -46,6 +46,8 @@ encoder (a decoder's left padding would differ from row to row).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
@@ -57,6 +59,7 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 TOKENS = ("input_ids", "idx", "tokens")
+DECODER, ENCODER = re.compile(r"(?:^|\.)dec", re.I), re.compile(r"enc", re.I)  # (a module path's decoder, encoder)
 LINEAR = ("; its linear attention sums φ(k) vᵀ over every key (a non-causal feature-map attention, trace/linearattn.py), "
           "where a causal one takes a prefix sum over the keys")
 
@@ -271,8 +274,9 @@ def targets(run: Run) -> list:
         rows, length = predicts.shape
         for call, cells, own in _calls(run, top, rows, length, unmasked=True):  # (a softmax that masks nowhere:
             # the padding-only mask of a decoder its config calls no decoder, transformers#23051)
-            if call.shape[2] != length or not (own == np.arange(length)).all():
-                continue
+            if call.shape[2] != length or not (own == np.arange(length)).all() or top.arguments.get("next_token_by") \
+                    == "decoder_input_ids" and (not DECODER.search(call.where) or ENCODER.search(call.where) or cross(call)):
+                continue  # (a seq2seq's targets are its decoder's next inputs: its decoder's self-attention is read)
             bad = np.zeros(cells.shape, bool)
             q = np.arange(length - 1)
             uniform = _uniform(call, cells)  # (a row that sees no key under a finite fill weighs every key alike)

@@ -118,6 +118,11 @@ def _of_ids(target: np.ndarray, arguments: dict, ignore: int) -> tuple[int, np.n
         found = None
     else:
         found = None
+    decoder = arguments.get("decoder_input_ids")  # (a seq2seq's: its labels are its decoder's inputs one position on)
+    if found is None and isinstance(decoder, np.ndarray) and decoder.ndim == 2:
+        found = _shifted(target, decoder, ignore)
+        if found is not None:
+            arguments["next_token_by"] = "decoder_input_ids"
     labels = arguments.get("loss_labels")
     if found is None and isinstance(labels, tuple):  # (the labels it was handed, which need not be its ids)
         found = _labels_shifted(target, labels[1], ignore)

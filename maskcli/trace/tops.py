@@ -46,7 +46,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "cu_window_seqlens",  # (Qwen2.5-VL's vision window segments beside its image ones: checks/fullblocks.py)
              "grid_thw", "image_grid_thw", "video_grid_thw",  # a vision tower's items, (t, h, w) patches each: checks/items.py
              # what else states where tokens are, as hand-written models name it (checks/real.py, tree.py, spans.py):
-             "input_ids", "idx", "tokens", "token_ids", "inputs", "positions", "pos", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
+             "input_ids", "idx", "tokens", "token_ids", "inputs", "decoder_input_ids", "positions", "pos", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "mask", "input_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
              "lang_x",  # (OpenFlamingo's and Otter's text ids beside their media: checks/media.py)
              "media_locations",  # (where a Flamingo text places its media, True at each media token: checks/mediarows.py)
