@@ -88,3 +88,12 @@ def test_a_start_pos_counted_after_the_new_token_was_appended_is_found(tmp_path)
     assert "position 8 is skipped" in found[0]["message"]
     _, _, report = traced(tmp_path, "start_pos_counted_after_append_llama_loop", True, HERE)
     assert "last step matches an uncached pass: True" in report
+
+
+def test_bigdl_llm_gptj_speculative_positions_from_the_caches_head_axis(tmp_path):
+    """intel/ipex-llm#10141 (1508d6b; written blind, blind-qu, caught before any rule changed for it): BigDL-LLM's
+    self-speculative decoding counted GPT-J's position_ids from `past_key_values[0][0].size(1)`, the cache's head axis
+    (4 heads) rather than its 12 cached tokens: step 1's query 0 sits at position 4 and sees the key the prefill
+    cached there."""
+    hit = check_bug(tmp_path, "bigdl_llm_gptj_speculative_cpu_position_ids_from_head_dim", "positions-inside-cache")[0]
+    assert tuple(hit["cell"]) == (0, 0, 4) and "not after its 12 real tokens" in hit["message"], hit
