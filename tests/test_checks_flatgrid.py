@@ -43,3 +43,25 @@ def test_text_only_positions_handed_to_a_multimodal_rope_model_are_quiet(tmp_pat
     (tmp_path / "alone.py").write_text(alone)
     status, found, report = traced(tmp_path, "alone", False, tmp_path)
     assert "flat-image-positions" not in {f["code"] for f in found}, report
+
+
+def test_image_runs_against_a_loop():
+    """flatgrid._image_runs: the first run of two or more image ids, row by row, against a loop over every position."""
+    import numpy as np
+
+    from maskcli.checks.flatgrid import _image_runs
+
+    def loop(ids, image):
+        for b in range(ids.shape[0]):
+            for j in range(ids.shape[1] - 1):
+                if ids[b, j] == image and ids[b, j + 1] == image:
+                    end = j + 1
+                    while end + 1 < ids.shape[1] and ids[b, end + 1] == image:
+                        end += 1
+                    return b, j, end
+        return None
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        ids = rng.integers(0, 3, size=(int(rng.integers(1, 4)), int(rng.integers(1, 9))))
+        assert _image_runs(ids, 2) == loop(ids, 2), ids
