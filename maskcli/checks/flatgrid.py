@@ -20,6 +20,7 @@ import numpy as np
 
 from maskcli.checks.configread import read, text_part
 from maskcli.checks.context import Run
+from maskcli.checks.mediapad import MEDIA
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -60,7 +61,7 @@ def flat_grid(run: Run) -> list:
                 or ids.ndim != 2 or positions.shape[1] != ids.shape[1] or top.config is None \
                 or not _multimodal_rope(top.config):
             continue
-        tokens = [t for n in ("image_token_id", "video_token_id") if isinstance(t := read(top.config, n), int)]
+        tokens = [t for n in MEDIA if isinstance(t := read(top.config, n), int)]  # (the config's image and video ids)
         runs = next(((t, r) for t in tokens if (r := _image_runs(ids, t)) is not None), None)
         if runs is None or not any(g.ndim == 2 and g.shape[1] == 3 and (g.prod(axis=1) > 1).any() for g in grids):
             continue

@@ -46,8 +46,6 @@ encoder (a decoder's left padding would differ from row to row).
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
@@ -56,10 +54,10 @@ from maskcli.checks.othermask import borrowed
 from maskcli.checks.padruns import at_bos, disagreeing, filler_kept, inside as _inside
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
+from maskcli.checks.sides import DECODER, ENCODER  # (a module path's decoder, encoder)
 from maskcli.text import Finding
 
 TOKENS = ("input_ids", "idx", "tokens")
-DECODER, ENCODER = re.compile(r"(?:^|\.)dec", re.I), re.compile(r"enc", re.I)  # (a module path's decoder, encoder)
 LINEAR = ("; its linear attention sums φ(k) vᵀ over every key (a non-causal feature-map attention, trace/linearattn.py), "
           "where a causal one takes a prefix sum over the keys")
 
