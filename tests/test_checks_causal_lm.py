@@ -205,3 +205,20 @@ def test_the_branch_for_no_cache_is_read_only_where_a_parameter_named_like_a_cac
     [(name, when_none, line, shown)] = _branches(forward.__code__)
     assert (name, when_none, shown) == ("past_key_value", True, "torch.triu")
     assert line == forward.__code__.co_firstlineno + 2
+
+
+def test_a_prefix_lm_familys_prompt_both_ways_is_no_causal_layers(tmp_path):
+    """ai-edge-torch's PaliGemma2 port after 45f18d2 (written blind, blind-al; its fix was said to run a causal
+    layer's prompt both ways): `CausalSelfAttention` is the port's one attention class, and its config class is named
+    PaliGemmaConfig, a prefix-LM whose image + prompt prefix attends both ways on purpose. Written another way
+    (tests/data/causallm): a `CausalAttention` port whose config states model_type "paligemma" is quiet; the same port
+    stating "llava" (a causal VLM) is found."""
+    blind = Path(__file__).parent / "data" / "blind"
+    status, found, report = traced(tmp_path, "ai_edge_torch_paligemma2_prefill_image_prefix_causal", True, blind)
+    assert not [f for f in found if f["code"] == "causal-lm-both-ways"], report
+    folder = Path(__file__).parent / "data" / "causallm"
+    name = "vlm_port_prompt_both_ways_prefix_family_or_not"
+    status, found, report = traced(tmp_path, name, False, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+    status, found, report = traced(tmp_path, name, False, folder, ("--llava",))
+    assert status == 1 and [f["code"] for f in found if f["severity"] == "wrong"] == ["causal-lm-both-ways"], report

@@ -11,8 +11,9 @@ called with is_causal=False). A site whose decode steps attend through a program
 through another function (lablup/mlxcel#999: the generator's mask None handed to an unmasked SDPA), and so does the
 attending module's own class name (`CausalSelfAttention`, checks/causalname.py: lag-llama#81's first cached forecast
 run `is_causal=False`), whose model call may hand no token ids (a time series' features); a sliding cache's decode
-steps keep as many keys as the prompt's. Left alone: a model call given token types, a prefix length or image positions (a
-prefix-LM or an image block attends both ways on purpose: spans.py), a config that states the attention
+steps keep as many keys as the prompt's. Left alone: a model call given token types, a prefix length or image positions, or one whose config or class
+names a prefix-LM family (PaliGemma's: ai-edge-torch's port runs its image + prompt prefix both ways) (a prefix-LM or
+an image block attends both ways on purpose: spans.py), a config that states the attention
 bidirectional or its config `is_decoder=False` (RobertaForCausalLM run as an encoder, as transformers warns it
 will), keys that are not the model call's own tokens (a vision tower inside the model), a video model that states its tokens
 per frame whose calls take whole frames of queries (a frame attends both ways: CausVid's), and a prompt pass
@@ -27,7 +28,7 @@ from maskcli.checks.context import Run, cross, first_cell, keep, queries
 from maskcli.checks.intent import intent
 from maskcli.checks.real import TOKENS, by_row, resolve
 from maskcli.checks.registry import Rule
-from maskcli.checks.spans import IMAGES, PREFIX
+from maskcli.checks.spans import IMAGES, PREFIX, prefix_lm
 from maskcli.text import Finding
 
 SPANS = ("token_type_ids", "mm_token_type_ids")  # image or prefix spans a model attends both ways on purpose
@@ -98,7 +99,7 @@ def both_ways(run: Run) -> list:
         named = named or branch
         if top is None or "causal_lm" not in top.arguments and named is None or first.stored is None:
             continue  # (most runs: no model that names itself a causal LM, no decode step through a causal function)
-        if any(name in top.arguments for name in (*SPANS, *PREFIX, *IMAGES)) \
+        if any(name in top.arguments for name in (*SPANS, *PREFIX, *IMAGES)) or prefix_lm(top) \
                 or not _prompt(run, first, top, "causal_lm" not in top.arguments):
             continue
         k_len = first.shape[3]
