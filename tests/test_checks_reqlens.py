@@ -76,3 +76,16 @@ def test_a_window_field_that_is_no_window_keeps_no_request_quiet():
     assert [_a_window(v) for v in (float("nan"), float("inf"), -1, 0, True, None, "wide", (-1, "x"))] == [False] * 8
     assert _a_window(["full_attention", "sliding_attention"], kinds=True)
     assert not _a_window(["full_attention"] * 2, kinds=True) and not _a_window(["sliding_attention"])
+
+
+def test_a_cross_attention_is_not_held_against_the_requests_own_keys(tmp_path):
+    """sglang#25045's fix (written blind, blind-hc; said before to hand each request's cross-attention other keys
+    than its `cu_seqlens_k`): the FA3 backend's cross-attention attends each request's image keys
+    (`encoder_lens_int32`) through the same kernel as its self-attention, told apart only by the RadixAttention layer
+    handed to `forward_decode`, whose `is_cross_attention` says so. Written another way (tests/data/quiet): a
+    module-less backend whose layer object states vLLM's `attn_type="encoder_decoder"`, a prefill and a decode step."""
+    status, found, report = traced(tmp_path, "sglang_fa3_cross_attention_replay_encoder_lens_first_request_only", True,
+                                   Path(__file__).parent / "data" / "blind")
+    assert not [f for f in found if f["code"] == "request-keys-differ"], report
+    status, found, report = traced(tmp_path, "engine_cross_attention_layer_handed_to_one_paged_kernel", False, QUIET)
+    assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report

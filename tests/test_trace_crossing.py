@@ -36,6 +36,27 @@ def test_said_by_the_innermost_modules():
     assert read([nn.Module()], 3, 3, here) is None
 
 
+def test_said_by_the_layer_an_engine_hands_its_backend():
+    """No module runs (an engine's backend, SGLang's `forward_decode(q, k, v, layer, forward_batch)`): a parameter of
+    a function within the call holding an object that states itself says it, vLLM's `attn_type="encoder_decoder"`
+    too; a type naming neither (vLLM's "decoder"), the function's `self`, a plain value say nothing."""
+
+    class Layer:
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    def backend(q, layer, scale=1.0):
+        return read([], 1, 6, sys._getframe())
+
+    assert backend(None, Layer(is_cross_attention=True)) == {
+        "cross": True, "by": "said", "source": "layer.is_cross_attention=True (Layer, handed to backend())"}
+    assert backend(None, Layer(is_cross_attention=False))["cross"] is False
+    assert backend(None, Layer(attn_type="encoder_decoder"))["source"].startswith("layer.attn_type='encoder_decoder'")
+    assert backend(None, Layer(attn_type="decoder")) is None
+    assert backend(None, Layer(attn_type="my_encoder_decoder_v2")) is None
+    assert backend(None, "cross") is None
+
+
 def test_the_class_names_a_cross_attention_and_its_context_none_says_self():
     """The innermost module's class (OpenFlamingo's MaskedCrossAttention, an `XAttn`) says cross, as many keys as
     queries or not; LDM's CrossAttention also runs its self-attention (attn1), which its `context=None` states: self.

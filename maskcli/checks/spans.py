@@ -92,12 +92,6 @@ def _model_type(config, top=None) -> str | None:
 MODEL_CLASSES = (("PaliGemma", "paligemma"), ("Gemma3", "gemma3"), ("Gemma4", "gemma4"), ("Molmo2", "molmo2"))
 
 
-def prefix_lm(top) -> bool:
-    """The model call states a prefix-LM family (PaliGemma's config or model class): its prompt is the prefix, which
-    attends both ways on purpose, whether or not the call hands the token types that mark it."""
-    family = FAMILIES.get(_model_type(top.config, top))
-    return family is not None and family.what == "prefix"
-
 
 PREFIX = ("prefix_len", "prefix_lens", "prefix_length", "num_prefix_tokens")  # a prefix-LM's bidirectional prefix
 IMAGES = ("image_mask", "image_positions", "pixel_positions", "num_image_tokens")  # where images are, not how seen

@@ -9,7 +9,8 @@ call of the site, as `cross` (checks/context.crossing decides with it):
     {"cross": True | False, "by": what says so, "source": the program's own words, shown in findings,
      "unmasked": the context-mask parameter handed None (checks/crosspad.py), "grows": True where the keys grew}
 
-`by`, strongest first: "said" (a module's `is_cross_attention` / `attention_type`), "memory" (a memory argument,
+`by`, strongest first: "said" (a module's `is_cross_attention` / `attention_type`, or an engine layer's handed to its
+backend as an argument), "memory" (a memory argument,
 `encoder_hidden_states` / `memory` / `context` ..., or an engine layer's `cross_k` / `cross_hidden_states`, holding
 another tensor than the queries', whose length the keys have; None there, or the queries' own tensor: self-attention), "kv" (the same, from a module method's `kv`: weaker,
 it may hold a cache of the queries' own keys), "inputs" (the attending layer's forward handed `key` another tensor
@@ -29,6 +30,7 @@ import sys
 import torch
 
 from maskcli.trace.codes import ByCode
+from maskcli.trace.crosskeys import held_keys as _held_keys, packed_own as _packed_own
 from maskcli.trace.held import program_frames
 
 MEMORY = ("encoder_hidden_states", "key_value_states", "context", "memory", "encoder_output", "encoder_out",
@@ -42,6 +44,7 @@ CONTEXT_MASKS = ("context_mask", "encoder_attention_mask", "encoder_mask", "memo
                  "encoder_padding_mask", "cross_attn_mask", "enc_mask", "encdec_bias", "encoder_decoder_attention_bias",
                  "enc_dec_bias")  # the mask of that other sequence's keys (tensor2tensor's and THUMT's biases among them)
 CROSS_FIELDS = ("attention_type", "attn_type", "is_cross_attention")
+CROSS_TYPE = re.compile(r"cross|^(?:attentiontype\.)?encoder_decoder$")  # a type naming it (vLLM's ENCODER_DECODER)
 CROSS_CLASS = re.compile(r"cross_?att(?:n|ention)\d*$|(?:^|_)x_?att(?:n|ention)\d*$", re.IGNORECASE)
 INNERMOST = 4  # running modules read, innermost first (a whole model's attributes speak for no one call)
 FRAMES = 24  # frames read within the attending module's call
@@ -105,6 +108,9 @@ def read(stack: list, q_len: int, k_len: int, frame) -> dict | None:
     said = _said(stack)
     if said is not None:
         return said
+    said = _layer_handed(stack, frame)
+    if said is not None:
+        return said
     memory = _memory(stack, q_len, k_len, frame)
     if memory is not None:
         return memory
@@ -120,14 +126,45 @@ def _said(stack: list) -> dict | None:
     "cross": Transformer Engine's, Megatron's AttnType.cross_attn; `is_cross_attention=True`: transformers' BERT family,
     diffusers' Attention) or a self-attention (`is_cross_attention=False`), innermost first."""
     for module in reversed(stack[-INNERMOST:]):
-        own = vars(module)
-        for name in CROSS_FIELDS:
-            value = own.get(name)
-            if value is True and name == "is_cross_attention" or value is not None and not isinstance(value, bool) \
-                    and "cross" in str(getattr(value, "name", value)).lower():
-                return {"cross": True, "by": "said", "source": f"{type(module).__name__}.{name}={getattr(value, 'name', value)!r}"}
-            if value is False and name == "is_cross_attention":
-                return {"cross": False, "by": "said", "source": f"{type(module).__name__}.is_cross_attention=False"}
+        said = _states(module, type(module).__name__)
+        if said is not None:
+            return said
+    return None
+
+
+def _states(value, who: str, where: str = "") -> dict | None:
+    """What one object's own `attention_type` / `attn_type` / `is_cross_attention` says, if anything (`where`: after
+    the field in the source shown)."""
+    try:
+        own = vars(value)
+    except TypeError:  # (no __dict__: a slotted object states nothing here)
+        return None
+    for name in CROSS_FIELDS:
+        held = own.get(name)
+        if held is True and name == "is_cross_attention" or held is not None and not isinstance(held, bool) \
+                and re.search(CROSS_TYPE, str(getattr(held, "name", held)).lower()):
+            return {"cross": True, "by": "said", "source": f"{who}.{name}={getattr(held, 'name', held)!r}{where}"}
+        if held is False and name == "is_cross_attention":
+            return {"cross": False, "by": "said", "source": f"{who}.is_cross_attention=False{where}"}
+    return None
+
+
+def _layer_handed(stack: list, frame) -> dict | None:
+    """An engine's backend states it where no running module does: a function within the attending call handed the
+    layer as an argument that states itself (SGLang's `forward_decode(q, k, v, layer, forward_batch)`, its layer's
+    `is_cross_attention`; vLLM's `forward(layer, ...)`), its parameters read innermost first (a tensor or a module on
+    the stack says nothing more here)."""
+    for held in _frames(stack, frame):
+        code = held.f_code
+        variables = held.f_locals
+        for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+            value = variables.get(name)
+            if name == "self" or value is None or issubclass(type(value), (torch.Tensor, int, float, str, bool, tuple,
+                                                                               list, dict)):
+                continue
+            said = _states(value, name, f" ({type(value).__name__}, handed to {code.co_name}())")
+            if said is not None:
+                return said
     return None
 
 
@@ -224,49 +261,6 @@ def _memory(stack: list, q_len: int, k_len: int, frame) -> dict | None:
             return reading
         return {"cross": False, "by": "memory", "source": f"{' / '.join(names)}=None handed to {where}"}
     return None
-
-
-def _held_keys(value, k_len: int, inner: list) -> str | None:
-    """The name of a tensor `value` (an object or dict handed under a memory's name: a cache of the memory's keys and
-    values) holds as an attribute or entry whose length along dim -2 is the call's `k_len` and that a frame within
-    (`inner`: the functions it handed them to, down to the kernel) holds as is: the keys the kernel attends are that
-    memory's."""
-    try:
-        own = value if type(value) is dict else vars(value)  # (a dict of the memory's keys and values, or an object)
-    except TypeError:  # (no __dict__: a tuple, a slotted object; nothing read)
-        return None
-    held = {id(t): str(n) for n, t in own.items() if issubclass(type(t), torch.Tensor) and t.dim() >= 2
-            and t.shape[-2] == k_len}
-    if not held:
-        return None
-    for frame in inner:
-        for local in frame.f_locals.values():
-            if id(local) in held and issubclass(type(local), torch.Tensor):
-                return held[id(local)]
-    return None
-
-
-def _packed_own(query: torch.Tensor, kv: torch.Tensor) -> bool:
-    """`query` is the first of a packed qkv (flash-attn's (B, S, 3, H, D): `qkv[:, :, 0]`) and `kv`'s last S rows hold
-    the other two: the layer's own keys and values, joined to its cache (flash-attn's MHA hands its self-attention's
-    cache to its `inner_cross_attn(q, kv)`)."""
-    base = query._base
-    try:
-        if base is None or base.dim() != kv.dim() or base.dim() < 3:
-            return False
-        packs = [d for d in range(base.dim()) if base.shape[d] == 3 and kv.shape[d] == 2]
-        rows = [d for d in range(base.dim()) if d not in packs and base.shape[d] != kv.shape[d]]
-        if len(packs) != 1 or len(rows) > 1:
-            return False
-        own = base.narrow(packs[0], 1, 2)
-        if rows:
-            length = own.shape[rows[0]]
-            if kv.shape[rows[0]] < length:
-                return False
-            kv = kv.narrow(rows[0], kv.shape[rows[0]] - length, length)
-        return kv.shape == own.shape and bool(torch.equal(kv, own))
-    except (RuntimeError, NotImplementedError):  # (tensor subclasses, meta tensors: nothing to compare)
-        return False
 
 
 QUERY, KEY = ("query", "queries", "Q"), ("key", "keys", "K")  # the layer's inputs, before it projects them
