@@ -296,3 +296,14 @@ def test_sglang_flashinfer_swa_extend_over_a_cached_prefix_drops_its_window(tmp_
     four. The fix (window_left on both, the paged pass cut to the prefix's last window) is quiet (test_checks_owncut)."""
     hits = check_bug(tmp_path, "sglang_flashinfer_swa_ragged_prefix_extend_paged_reads_unwritten_slots", "window-dropped")
     assert tuple(hits[0]["cell"]) == (0, 4, 0) and "sliding_window_size = 3" in hits[0]["message"], hits
+
+
+def test_a_mask_keeping_the_configs_sliding_window_beside_a_flash_tuple_one_wider(tmp_path):
+    """eole's SelfMHA (written as a correct program, quiet-r107a; told window-narrower before): the module holds
+    `window_size = (sliding_window, 0)` for its FlashAttention path (W + 1 keys) while its CPU mask path keeps
+    `q - sliding_window + 1 .. q`, the W keys the config's `sliding_window` counts (transformers' Mistral): the mask
+    keeps a window the program states, so it is no narrower window than held. A mask narrower than both stays found
+    (nanochat's and the other bugs above)."""
+    status, found, report = traced(tmp_path, "quiet_eole_left_pad_sliding_window_chunked_prefill_dynamic_cache_greedy",
+                                   False, Path(__file__).parent / "data" / "quiet_blind")
+    assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report

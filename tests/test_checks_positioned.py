@@ -500,3 +500,24 @@ def test_chunked_prefill_positions_from_slots_then_decode_from_the_mask(tmp_path
     first_decode = real + 1 - 1  # attention_mask.sum(-1) - 1 after the new token's 1
     assert f"(at position {last_prefill}), yet its position is {first_decode}, not {last_prefill + 1}" in hit["message"]
     assert f"count the row's {pads} padding keys" in hit["message"]
+
+
+def test_multimodal_rope_positions_of_a_text_count_as_1d_ones(tmp_path):
+    """transformers#40490 (written blind, blind-qx; missed before tuning: multimodal rope's (C, B, L) positions were
+    left alone): Qwen2.5-VL's decode steps added the left padding's rope_deltas to positions counted past the padding,
+    so the padded row's new token sat its 7 pads before the keys it sees. A text's positions (each token's t, h, w
+    rows equal) count as 1-D ones. Written another way (tests/data/positions): a hand-written 3-row multimodal rope
+    decoder whose decode step adds the deltas to `cumsum(mask) - 1`; its fix (`cache length + deltas`) quiet."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "transformers_qwen2_5_vl_decode_positions_from_padded_cumsum_plus_rope_deltas",
+                                   False, Path(__file__).parent / "data" / "blind")
+    hits = [f for f in found if f["code"] == "positions-vs-keys"]
+    assert status == 1 and hits and "7 places short, as many as the row's 7 padding keys" in hits[0]["message"], report
+    status, found, report = traced(tmp_path, "transformers_qwen2_5_vl_decode_positions_from_padded_cumsum_plus_rope_deltas",
+                                   True, Path(__file__).parent / "data" / "blind")
+    assert [f for f in found if f["severity"] == "wrong"] == [], report
+    hit = check_bug(tmp_path, "mrope_text_decode_positions_padding_taken_off_twice", "positions-vs-keys", POSITIONS)[0]
+    prompts = [[5, 9, 14, 3, 22, 7, 11], [8, 2, 30]]  # (the program's: row 1 has 7 - 3 = 4 pads)
+    pads = len(prompts[0]) - len(prompts[1])
+    assert f"it sits {pads} places short, as many as the row's {pads} padding keys" in hit["message"]

@@ -14,7 +14,9 @@ cannot see): per batch row and real query, over the real keys in their order (pa
 - every query whose visible keys are cut by neither end seeing the same fewer keys than the window holds: the mask is a
   narrower window (a kernel whose left bound is exclusive handed the inclusive one, a mask cached for another layer's
   window). Rows of different lengths (documents, chunks) are left alone, and so is a `sliding_window_size` (LitGPT
-  and Keras-hub count the query in it, SGLang does not: only the wider side is sure).
+  and Keras-hub count the query in it, SGLang does not: only the wider side is sure), and a mask that keeps the
+  `sliding_window` keys the model's config states (the (W, 0) tuple a module derives from it is FlashAttention's
+  convention, one key wider: eole's SelfMHA).
 
 Paged calls whose columns are slots are left alone.
 """
@@ -92,7 +94,8 @@ def held_window(run: Run) -> list:
             interior = has & (count == hi - lo + 1) & (lo > 0) & (hi < total[:, None] - 1)
             lengths = set(count[interior].tolist())
             # (sliding_window_size counts the query in LitGPT's and Keras-hub's, not SGLang's: only the span is sure)
-            if name != "sliding_window_size" and interior.sum() >= 2 and len(lengths) == 1 and lengths.pop() < width:
+            if name != "sliding_window_size" and interior.sum() >= 2 and len(lengths) == 1 and (c := lengths.pop()) < width \
+                    and not _config_counts(top, c):
                 b, q = first_cell(interior)
                 a, z, c = int(keys[first[b, q]]), int(keys[last[b, q]]), int(count[b, q])
                 at = z if right == 0 else int(own[q])
@@ -126,6 +129,14 @@ def held_window(run: Run) -> list:
              or ((call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept
                  and (branch[i][0] is None or branch[i] not in branches))]
     return found + _counted(run) + _counted_wide(run)
+
+
+def _config_counts(top, count: int) -> bool:
+    """The model call's config states `sliding_window` = `count`, the keys the mask keeps (a window that counts the
+    query, as transformers' Mistral does): the (W, 0) tuple a module derives from it for FlashAttention is that path's
+    convention, one key wider, not the mask's (eole's SelfMHA holds `window_size = (sliding_window, 0)` beside a mask
+    path that keeps `q - sliding_window + 1 .. q`)."""
+    return top is not None and any(one.fields.get("sliding_window") == count for one in top.stated)
 
 
 def _gathered(call) -> bool:

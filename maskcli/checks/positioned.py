@@ -21,7 +21,8 @@ its right; where those hold, three statements must agree:
 Rows are the call's batch rows; a site called once per request in one model call (batch 1 each, their queries as
 many as the positions, sglang's per-request loop) has the requests for rows. Left alone: a query that sees no key,
 its own not or one to its right (padding, a bidirectional span), calls whose queries are not as many as the
-positions, multimodal rope's (C, B, L) positions, cross-attention.
+positions, multimodal rope's (C, B, L) positions where any token's rows differ (an image's tokens share positions;
+a text's three rows, all equal, count as 1-D positions), cross-attention.
 
 A cached step's rotary table is a statement of positions too (trace/ropeat.py reads the cos/sin the attention's
 function holds): a query that sees n keys sits at position n - 1 or after, and a table whose positions all stop before
@@ -47,8 +48,7 @@ NAMES = ("position_ids", "positions", "pos")
 
 
 def _positions(top) -> tuple[str, np.ndarray] | None:
-    """(its name, int64 (rows, T)) of the positions a model call states; None where it states none."""
-    for name in NAMES:
+    for name in NAMES:  # (its name, int64 (rows, T)) of the positions a model call states
         given = top.arguments.get(name)
         if isinstance(given, np.ndarray) and given.ndim in (1, 2) and given.size and given.dtype.kind in "iu":
             return name, given.reshape(-1, given.shape[-1]).astype(np.int64)
@@ -56,10 +56,18 @@ def _positions(top) -> tuple[str, np.ndarray] | None:
 
 
 def _rope_positions(top) -> np.ndarray | None:
-    """The multimodal rope positions a model call states (trace/tops.py's `mrope_position_ids`, (C, B, L): Qwen2-VL's
-    3 rows (t, h, w), transformers' 4 with the text row first), or None."""
+    """The call's multimodal rope positions (`mrope_position_ids`, (C, B, L): Qwen2-VL's t, h, w; 4 rows, text first)."""
     rope = top.arguments.get("mrope_position_ids")
     return rope if isinstance(rope, np.ndarray) and rope.ndim == 3 and rope.shape[0] in (3, 4) and rope.size else None
+
+
+def _text_rope(top) -> tuple[str, np.ndarray] | None:
+    """(its name, int64 (B, L)) where the call's multimodal rope positions are a text's (each token's t, h, w equal):
+    1-D ones (transformers#40490: Qwen2.5-VL's decode added rope_deltas to positions counted past the padding)."""
+    rope = _rope_positions(top)
+    if rope is None or not ((rope[-3:] == rope[-1][None]).all()):
+        return None
+    return "position_ids (multimodal rope, a text's: its three rows equal)", rope[-1].astype(np.int64)
 
 
 def _held(calls: list) -> tuple[str, np.ndarray, bool] | None:
@@ -300,7 +308,7 @@ def check(run: Run) -> list:
     found += _rotated(run, done)
     found += _stepped(run, done)
     for top in run.tops:
-        handed = _positions(top) or _held(run.made_by(top))
+        handed = _positions(top) or _text_rope(top) or _held(run.made_by(top))
         if handed is None:
             continue
         name, positions, unhanded = (*handed, False)[:3]
@@ -347,11 +355,15 @@ def check(run: Run) -> list:
                         # some tokens only: BLIP-2's text after its cached learned queries)
                         q = int(np.argmax(ahead))
                         done.add(where)
+                        short, pads = int(counts[b, q] - placed_at[b, q] - 1), int(np.argmax(seen[b, q]))
                         found.append((call, Finding("positions-vs-keys", (
                             f"batch row {b}: query {q} at position {int(placed_at[b, q])} sees {int(counts[b, q])} "
                             f"keys, more than the {int(placed_at[b, q]) + 1} tokens up to it, where every earlier "
-                            "query of this site saw exactly its position's: keys of tokens no longer in the sequence "
-                            "stay in the cache (rejected draft tokens not rolled back?)"),
+                            "query of this site saw exactly its position's: " + (
+                                f"it sits {short} places short, as many as the row's {pads} padding keys (the left "
+                                "padding subtracted twice: an offset applied to positions counted past it?)"
+                                if pads and short == pads else "keys of tokens no longer in the sequence stay in the "
+                                "cache (rejected draft tokens not rolled back?)")),
                             expected=f"{int(placed_at[b, q]) + 1} keys", source=source, cell=None)))
                     elif before is not None and n == before.count + 1 and p != before.position + 1 \
                             and (before.counted or follows(before, seen[b, first], call.shape[0])):
