@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from maskcli.checks import eoiprefix
+from maskcli.checks.spandocs import by_document
 from maskcli.checks.config import layer_kind
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, layer, queries
 from maskcli.checks.intent import intent
@@ -78,12 +79,11 @@ FAMILIES = {
 
 
 CONFIG_CLASSES = {"Gemma3Config": "gemma3", "Gemma4Config": "gemma4", "PaliGemmaConfig": "paligemma", "Molmo2Config": "molmo2"}
-# (a port's own config class named as transformers names the family's: its model_type, as CONFIG_MAPPING_NAMES maps it)
 
 
 def _model_type(config, top=None) -> str | None:
-    """The family's model_type: its config's, its config class's name as transformers names it, else (a port whose config
-    is a class of its own) the model call's class named as transformers names the family's (Gemma3Model, PaliGemma...)."""
+    """The family's model_type: its config's, its config class's name as transformers names it (CONFIG_CLASSES: a port's
+    own class so named), else the model call's class named as transformers names the family's (Gemma3Model...)."""
     found = getattr(config, "model_type", None) or CONFIG_CLASSES.get(type(config).__name__)
     named = None if top is None or found is not None else top.arguments.get("module_class")
     return next((kind for prefix, kind in MODEL_CLASSES if named.startswith(prefix)), None) if named else found
@@ -149,7 +149,7 @@ def _family(top, rows: int = 0, length: int = 0) -> tuple[Family, np.ndarray] | 
     given = top.arguments.get(family.argument)
     if not isinstance(given, np.ndarray) or given.ndim != 2:
         return None
-    return family, family.spans(given)
+    return family, by_document(top, family.spans(given))  # (a packed row's documents cut its spans: spandocs.py)
 
 
 def _real(top, ids: np.ndarray, cells: np.ndarray, length: int) -> np.ndarray:
