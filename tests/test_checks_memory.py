@@ -688,3 +688,16 @@ def test_keras_io_translation_decoder_cross_attention_masked_by_the_targets_padd
     assert tuple(hit["cell"]) == (0, 3, 3) and "encoder.attention" in hit["message"], hit
     status, found, report = traced(tmp_path, name, True, BUGS)
     assert not {"encoder-padding-ignored", "padding-only-attended"} & {f["code"] for f in found}, report
+
+
+def test_alphafold2_seq2seq_padding_mask_off_by_default(tmp_path):
+    """lucidrains/alphafold2 21b02a7 (written blind, blind-rg, caught before any rule changed for it): the torsion
+    Seq2SeqTransformer's `use_padding_mask` defaulted to False, so its encoder, decoder and cross-attention took none
+    of the padding masks train_simple built and handed it. The fix turns the encoder's and decoder's own masks on but
+    never hands `memory_key_padding_mask` to the decoder: its cross-attention still attends the padded residues, and
+    the finding stays, true of the fix as of the bug."""
+    name = "alphafold2_seq2seq_torsion_transformer_padding_mask_off_by_default"
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, name, fixed)
+        hits = [f for f in found if f["code"] == "encoder-padding-ignored"]
+        assert status == 1 and hits and "memory_key_padding_mask given to Seq2SeqTransformer" in hits[0]["message"], report

@@ -521,3 +521,12 @@ def test_multimodal_rope_positions_of_a_text_count_as_1d_ones(tmp_path):
     prompts = [[5, 9, 14, 3, 22, 7, 11], [8, 2, 30]]  # (the program's: row 1 has 7 - 3 = 4 pads)
     pads = len(prompts[0]) - len(prompts[1])
     assert f"it sits {pads} places short, as many as the row's {pads} padding keys" in hit["message"]
+
+
+def test_optimum_ort_causal_lm_left_padded_generation_no_position_ids(tmp_path):
+    """huggingface/optimum#1381 (89d08c4c; written blind, blind-re, caught before any rule changed for it): the ORT
+    causal LM's generate handed its decoder no position_ids, so GPT-2's learned positions counted the left padding:
+    row 1's prompt starts at position 4 (its 4 pads), row 0's at 0. The fix hands cumsum(mask) - 1: quiet."""
+    hit = check_bug(tmp_path, "optimum_ort_causal_lm_left_padded_generation_no_position_ids", "positions-vs-keys")[0]
+    pads = 4  # (the program's input_ids: row 1 is [pad] * 4 + 4 tokens)
+    assert f"batch row 1: query {pads} starts a sequence" in hit["message"] and f"at position {pads}" in hit["message"]
