@@ -307,3 +307,13 @@ def test_a_mask_keeping_the_configs_sliding_window_beside_a_flash_tuple_one_wide
     status, found, report = traced(tmp_path, "quiet_eole_left_pad_sliding_window_chunked_prefill_dynamic_cache_greedy",
                                    False, Path(__file__).parent / "data" / "quiet_blind")
     assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report
+
+
+def test_transformer_engine_decoder_layer_self_attention_gets_the_enc_dec_window(tmp_path):
+    """NVIDIA/TransformerEngine#1069 (a326e351; written blind, blind-rj, caught before tuning with a false alarm on its
+    fix): TransformerLayer handed its self-attention `enc_dec_window_size`, so the causal window (2, 0) it holds was
+    dropped, and its cross-attention kept its own "no_mask" type. The fix's cross-attention was told window-dropped
+    against the layer's self-attention window: its MultiheadAttention says `attention_type="cross"`, four modules up
+    from TE's `nn.Softmax` (trace/crossing.py no longer counts torch's leaf modules), so it is read as cross-attention."""
+    found = check_bug(tmp_path, "transformer_engine_decoder_layer_self_attn_gets_enc_dec_window", "window-dropped")
+    assert all(f["cell"] is None or f["cell"][1] >= 3 for f in found)  # (queries 3 on: a window of 3 cuts there)

@@ -36,6 +36,20 @@ def test_said_by_the_innermost_modules():
     assert read([nn.Module()], 3, 3, here) is None
 
 
+def test_torch_leaf_modules_do_not_push_the_saying_module_out_of_reach():
+    """TransformerEngine's softmax calls an `nn.Softmax(dim=-1)` module under FusedScaleMaskSoftmax, under
+    UnfusedDotProductAttention, under DotProductAttention, under the MultiheadAttention whose `attention_type` says
+    cross: torch's own leaf modules say nothing and are not counted among the innermost modules read."""
+    class Own(nn.Module):  # (a program's module)
+        pass
+
+    layer = Own()
+    layer.attention_type = "cross"
+    stack = [Own(), layer, Own(), Own(), Own(), nn.Softmax(dim=-1)]
+    assert read(stack, 6, 7, sys._getframe())["source"] == "Own.attention_type='cross'"
+    assert read([Own(), layer, Own(), Own(), Own(), Own()], 6, 7, sys._getframe()) is None
+
+
 def test_said_by_the_layer_an_engine_hands_its_backend():
     """No module runs (an engine's backend, SGLang's `forward_decode(q, k, v, layer, forward_batch)`): a parameter of
     a function within the call holding an object that states itself says it, vLLM's `attn_type="encoder_decoder"`

@@ -125,7 +125,9 @@ def _said(stack: list) -> dict | None:
     """One of the innermost running modules states itself a cross-attention (`attention_type` / `attn_type` naming
     "cross": Transformer Engine's, Megatron's AttnType.cross_attn; `is_cross_attention=True`: transformers' BERT family,
     diffusers' Attention) or a self-attention (`is_cross_attention=False`), innermost first."""
-    for module in reversed(stack[-INNERMOST:]):
+    # (torch's own leaf modules state nothing: TE's softmax calls an `nn.Softmax(dim=-1)` under its layers)
+    own = [m for m in stack if type(m) is torch.nn.Module or not type(m).__module__.startswith("torch.nn.")]
+    for module in reversed(own[-INNERMOST:]):
         said = _states(module, type(module).__name__)
         if said is not None:
             return said
