@@ -28,7 +28,7 @@ from maskcli.checks.context import Run, cross, first_cell, keep, queries
 from maskcli.checks.intent import intent
 from maskcli.checks.real import TOKENS, by_row, resolve
 from maskcli.checks.registry import Rule
-from maskcli.checks.spans import FAMILIES, IMAGES, PREFIX, _model_type
+from maskcli.checks.spans import FAMILIES, IMAGES, PREFIX, model_type
 from maskcli.text import Finding
 
 SPANS = ("token_type_ids", "mm_token_type_ids")  # image or prefix spans a model attends both ways on purpose
@@ -138,7 +138,7 @@ def both_ways(run: Run) -> list:
 def prefix_lm(top) -> bool:
     """The model call states a prefix-LM family (spans.py's: PaliGemma's config or model class): its prompt is the
     prefix, which attends both ways on purpose, whether or not the call hands the token types that mark it."""
-    family = FAMILIES.get(_model_type(top.config, top))
+    family = FAMILIES.get(model_type(top.config, top))
     return family is not None and family.what == "prefix"
 
 

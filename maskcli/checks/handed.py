@@ -94,10 +94,11 @@ def held_window(run: Run) -> list:
             interior = has & (count == hi - lo + 1) & (lo > 0) & (hi < total[:, None] - 1)
             lengths = set(count[interior].tolist())
             # (sliding_window_size counts the query in LitGPT's and Keras-hub's, not SGLang's: only the span is sure)
-            if name != "sliding_window_size" and interior.sum() >= 2 and len(lengths) == 1 and (c := lengths.pop()) < width \
+            c = lengths.pop() if len(lengths) == 1 else None  # (the keys every uncut query sees, where one count)
+            if name != "sliding_window_size" and interior.sum() >= 2 and c is not None and c < width \
                     and not _config_counts(top, c):
                 b, q = first_cell(interior)
-                a, z, c = int(keys[first[b, q]]), int(keys[last[b, q]]), int(count[b, q])
+                a, z = int(keys[first[b, q]]), int(keys[last[b, q]])
                 at = z if right == 0 else int(own[q])
                 earlier = int(keys[np.flatnonzero(real.keys[b, :first[b, q]])[-1]])
                 found.append((call, Finding("window-narrower", (

@@ -41,14 +41,15 @@ import numpy as np
 from maskcli.checks.context import Run, keep
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
-from maskcli.checks.renumbered import follows, mark, why as renumbered
+from maskcli.checks.renumbered import extra_keys, follows, mark, why as renumbered
 from maskcli.text import Finding
 
 NAMES = ("position_ids", "positions", "pos")
 
 
 def _positions(top) -> tuple[str, np.ndarray] | None:
-    for name in NAMES:  # (its name, int64 (rows, T)) of the positions a model call states
+    """(its name, int64 (rows, T)) of the positions a model call states; None where it states none."""
+    for name in NAMES:
         given = top.arguments.get(name)
         if isinstance(given, np.ndarray) and given.ndim in (1, 2) and given.size and given.dtype.kind in "iu":
             return name, given.reshape(-1, given.shape[-1]).astype(np.int64)
@@ -56,7 +57,8 @@ def _positions(top) -> tuple[str, np.ndarray] | None:
 
 
 def _rope_positions(top) -> np.ndarray | None:
-    """The call's multimodal rope positions (`mrope_position_ids`, (C, B, L): Qwen2-VL's t, h, w; 4 rows, text first)."""
+    """The multimodal rope positions a model call states (trace/tops.py's `mrope_position_ids`, (C, B, L): Qwen2-VL's
+    3 rows (t, h, w), transformers' 4 with the text row first), or None."""
     rope = top.arguments.get("mrope_position_ids")
     return rope if isinstance(rope, np.ndarray) and rope.ndim == 3 and rope.shape[0] in (3, 4) and rope.size else None
 
@@ -355,15 +357,11 @@ def check(run: Run) -> list:
                         # some tokens only: BLIP-2's text after its cached learned queries)
                         q = int(np.argmax(ahead))
                         done.add(where)
-                        short, pads = int(counts[b, q] - placed_at[b, q] - 1), int(np.argmax(seen[b, q]))
+                        why = extra_keys(int(counts[b, q] - placed_at[b, q] - 1), int(np.argmax(seen[b, q])))
                         found.append((call, Finding("positions-vs-keys", (
                             f"batch row {b}: query {q} at position {int(placed_at[b, q])} sees {int(counts[b, q])} "
                             f"keys, more than the {int(placed_at[b, q]) + 1} tokens up to it, where every earlier "
-                            "query of this site saw exactly its position's: " + (
-                                f"it sits {short} places short, as many as the row's {pads} padding keys (the left "
-                                "padding subtracted twice: an offset applied to positions counted past it?)"
-                                if pads and short == pads else "keys of tokens no longer in the sequence stay in the "
-                                "cache (rejected draft tokens not rolled back?)")),
+                            f"query of this site saw exactly its position's: {why}"),
                             expected=f"{int(placed_at[b, q]) + 1} keys", source=source, cell=None)))
                     elif before is not None and n == before.count + 1 and p != before.position + 1 \
                             and (before.counted or follows(before, seen[b, first], call.shape[0])):

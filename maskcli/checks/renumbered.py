@@ -53,3 +53,12 @@ def why(before: Mark, position: int, pads: int) -> str | None:
     return (f"the previous step's positions count {counted}, this step's "
             f"{'do not' if position == before.count else 'count otherwise'}: the two steps number the row's tokens "
             "on two scales (positions taken from the cache's slots at one step and from the attention mask at the other?)")
+
+
+def extra_keys(short: int, pads: int) -> str:
+    """The cause said where a query sees `short` keys more than its position counts (positioned.py's every-earlier-
+    query-counted reading): as many as its row's left padding, that padding taken off twice; else keys left behind."""
+    if pads and short == pads:
+        return (f"it sits {short} places short, as many as the row's {pads} padding keys (the left padding subtracted "
+                "twice: an offset applied to positions counted past it?)")
+    return "keys of tokens no longer in the sequence stay in the cache (rejected draft tokens not rolled back?)"

@@ -33,12 +33,12 @@ from typing import Callable
 import numpy as np
 
 from maskcli.checks import eoiprefix
-from maskcli.checks.spandocs import by_document
 from maskcli.checks.config import layer_kind
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, layer, queries
 from maskcli.checks.intent import intent
 from maskcli.checks.configread import text_part
 from maskcli.checks.registry import Rule
+from maskcli.checks.spandocs import by_document
 from maskcli.checks.towers import in_tower
 from maskcli.text import Finding
 
@@ -81,7 +81,7 @@ FAMILIES = {
 CONFIG_CLASSES = {"Gemma3Config": "gemma3", "Gemma4Config": "gemma4", "PaliGemmaConfig": "paligemma", "Molmo2Config": "molmo2"}
 
 
-def _model_type(config, top=None) -> str | None:
+def model_type(config, top=None) -> str | None:
     """The family's model_type: its config's, its config class's name as transformers names it (CONFIG_CLASSES: a port's
     own class so named), else the model call's class named as transformers names the family's (Gemma3Model...)."""
     found = getattr(config, "model_type", None) or CONFIG_CLASSES.get(type(config).__name__)
@@ -90,7 +90,6 @@ def _model_type(config, top=None) -> str | None:
 
 
 MODEL_CLASSES = (("PaliGemma", "paligemma"), ("Gemma3", "gemma3"), ("Gemma4", "gemma4"), ("Molmo2", "molmo2"))
-
 
 
 PREFIX = ("prefix_len", "prefix_lens", "prefix_length", "num_prefix_tokens")  # a prefix-LM's bidirectional prefix
@@ -141,7 +140,7 @@ def _family(top, rows: int = 0, length: int = 0) -> tuple[Family, np.ndarray] | 
     """The family and its block ids (B, L) for this model call, where it is one of FAMILIES and was given its argument,
     else where it states its spans by another argument (_stated)."""
     config = None if top is None else top.config
-    family = FAMILIES.get(_model_type(config, top))
+    family = FAMILIES.get(model_type(config, top))
     if family is None:
         return None if top is None or not length else _stated(top, rows, length)
     if not family.on(text_part(config)):
@@ -233,7 +232,7 @@ def _by_image_id(run: Run, call, top) -> tuple[Family, np.ndarray] | None:
 
 def _spanned(run: Run):
     """(call, its model call, family, block ids, query positions) for each call whose later keys the token types judge."""
-    if not any(_model_type(top.config, top) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
+    if not any(model_type(top.config, top) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
                or _image_ids_stated(top) or _images_causal(top) or eoiprefix.stated(top) for top in run.tops):
         return  # no model call of the run gives spans (most runs stop here)
     shown = _shown_both_ways(run)

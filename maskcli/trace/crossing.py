@@ -144,7 +144,7 @@ def _states(value, who: str, where: str = "") -> dict | None:
     for name in CROSS_FIELDS:
         held = own.get(name)
         if held is True and name == "is_cross_attention" or held is not None and not isinstance(held, bool) \
-                and re.search(CROSS_TYPE, str(getattr(held, "name", held)).lower()):
+                and CROSS_TYPE.search(str(getattr(held, "name", held)).lower()):
             return {"cross": True, "by": "said", "source": f"{who}.{name}={getattr(held, 'name', held)!r}{where}"}
         if held is False and name == "is_cross_attention":
             return {"cross": False, "by": "said", "source": f"{who}.is_cross_attention=False{where}"}
