@@ -828,3 +828,19 @@ def test_a_config_that_names_gemma_2_states_its_layers_turns(tmp_path):
         found = {"sliding_window": 4}
         other_names({"model_type": named}, found)
         assert (found.get("sliding_window_pattern") == 2) == said, named
+
+
+def test_mlx_lm_gemma3_first_layer_mask_kept_for_every_layer(tmp_path):
+    """ml-explore/mlx-lm#39 (465b107c, the gemma3_text half; written blind, blind-rl, caught before any rule changed
+    for it): Gemma3Model wrote the chosen mask back into `mask` and its `is_sliding` flag was true of the global
+    layers, so layer 0 took the full causal mask and every later layer kept it: the five sliding layers of a cached
+    prefill saw the whole prompt. The fix gives each layer its own mask; the sliding layers then see window(9) against
+    the config's 8, mlx-lm's own later off-by-one (mlx-lm#390): true of the fix too."""
+    name = "mlx_lm_gemma3_first_layer_mask_kept_for_all_layers"
+    status, found, report = traced(tmp_path, name, False)
+    missing = [f for f in found if f["code"] == "window-missing"]
+    assert status == 1 and len(missing) == 5, report  # (layers 0-4 sliding, layer 5 global: sliding_window_pattern=6)
+    assert "layer 0 is a sliding layer (sliding_window_pattern=6) but its mask is causal" in missing[0]["message"]
+    status, found, report = traced(tmp_path, name, True)
+    assert not [f for f in found if f["code"] == "window-missing"], report
+    assert {f["code"] for f in found if f["severity"] == "wrong"} == {"window-off-by-one"}, report

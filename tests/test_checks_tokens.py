@@ -792,3 +792,13 @@ def test_a_seq2seq_cross_attention_over_a_source_of_the_targets_length_is_not_it
     (tmp_path / "cross.py").write_text(alone)
     status, found, report = traced(tmp_path, "cross", True, tmp_path)
     assert "sees-its-target" not in {f["code"] for f in found}, report
+
+
+def test_unsloth_zoo_vision_collator_token_type_ids_left_in_the_prompt_layout(tmp_path):
+    """unslothai/unsloth-zoo#342 (c8b204f9; written blind, blind-rn, caught before any rule changed for it): the
+    prompt + completion collator built its output from the prompt's fields, so `token_type_ids` kept the prompt's
+    left-padded layout while the ids were moved: on a padded row Gemma 3's two-way image block landed on text, and an
+    answer token's query saw the answer token after it. The fix joins and moves the token types with the ids."""
+    [hit] = check_bug(tmp_path, "unsloth_zoo_vision_collator_prompt_completion_token_type_ids_left_in_prompt_layout",
+                      "sees-its-target")
+    assert tuple(hit["cell"]) == (1, 8, 9) and "query 8 sees key 9" in hit["message"], hit

@@ -81,10 +81,11 @@ def withheld(module, args: tuple, kwargs: dict, caller) -> dict:
     or have returned."""
     from maskcli.trace.scored import scored  # (a trainer's completion mask; a trajectory's step mask: steppad.py)
     from maskcli.trace.memslots import memory_slots  # (a memory's slots, its mask and its zeros: memflip.py)
+    from maskcli.trace.positionrow import padding_row  # (a position table's padding row: checks/positionrow.py)
     from maskcli.trace.steppad import step_padding
     signature, given = _given(module, args, kwargs)
     return {**_withheld(signature, given, caller), **scored(given, caller), **step_padding(given, caller),
-            **memory_slots(given)}
+            **memory_slots(given), **padding_row(module, given, caller)}
 
 
 def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, stated: tuple = (),
