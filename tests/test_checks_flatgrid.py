@@ -45,6 +45,25 @@ def test_text_only_positions_handed_to_a_multimodal_rope_model_are_quiet(tmp_pat
     assert "flat-image-positions" not in {f["code"] for f in found}, report
 
 
+def test_ms_swift_collator_left_the_training_forward_to_number_an_image_as_text(tmp_path):
+    """modelscope/ms-swift#2051 (b8a8ec5a4; written blind, blind-rk, missed before the model's own positions were
+    read): the Qwen2-VL template's collator handed the training forward no position_ids, and the model of that time
+    (its get_rope_index ported from transformers 4.45) numbered them from the cache positions in t, h and w alike. The
+    fix's collator hands get_rope_index's (3, B, L): quiet."""
+    [hit] = check_bug(tmp_path, "ms_swift_qwen2vl_collator_no_rope_index_position_ids", "flat-image-positions", BLIND)
+    assert "was handed no position_ids, and its Qwen2VLTextModel.forward rotated with (3, 2, 17)" in hit["message"]
+    assert tuple(hit["cell"]) == (0, 3, 3) and "image tokens 3-6 (id 6) are at positions 3-6" in hit["message"], hit
+
+
+def test_a_wrapper_that_calls_the_text_model_without_the_rope_index(tmp_path):
+    """Written another way: a trainer's module splices the image features itself and calls Qwen2.5-VL's
+    `language_model` with no position_ids, skipping the outer forward that makes the (t, h, w) index; the text model
+    copies its cache positions into every section. --fixed hands get_rope_index's: quiet."""
+    [hit] = check_bug(tmp_path, "vlm_wrapper_calls_language_model_without_rope_index", "flat-image-positions", FLATGRID)
+    assert "VisionLanguageTrainer was handed no position_ids, and its Qwen2_5_VLTextModel.forward" in hit["message"]
+    assert tuple(hit["cell"]) == (0, 3, 3) and "image tokens 3-8 (id 5) are at positions 3-8" in hit["message"], hit
+
+
 def test_image_runs_against_a_loop():
     """flatgrid._image_runs: the first run of two or more image ids, row by row, against a loop over every position."""
     import numpy as np

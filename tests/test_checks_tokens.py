@@ -802,3 +802,12 @@ def test_unsloth_zoo_vision_collator_token_type_ids_left_in_the_prompt_layout(tm
     [hit] = check_bug(tmp_path, "unsloth_zoo_vision_collator_prompt_completion_token_type_ids_left_in_prompt_layout",
                       "sees-its-target")
     assert tuple(hit["cell"]) == (1, 8, 9) and "query 8 sees key 9" in hit["message"], hit
+
+
+def test_trl_grpo_paged_generation_prompts_padded_again_on_the_right(tmp_path):
+    """huggingface/trl#3722 (5a2b04a69; written blind, blind-rq, caught before any rule changed for it): with
+    `use_transformers_paged`, GRPO padded the prompts again on the right while `prompt_mask` kept the tokenizer's left
+    padding: each shorter row's first prompt tokens were hidden and its pads attended. The fix pads on the left."""
+    hits = check_bug(tmp_path, "trl_grpo_paged_generation_prompts_repadded_right", "real-tokens-masked")
+    assert "which the attention_mask of LlamaForCausalLM marks padding, but its id is not the model's pad id (0)" \
+        in hits[0]["message"], hits

@@ -394,3 +394,12 @@ def test_latent_cross_attention_block_padded_keys_under_a_mask_filled_from_the_p
     keys, padded = 13, 16
     assert tuple(found[0]["cell"]) == first((3, 6, 16), lambda b, q, k: keys <= k < padded)
     assert f"keys {keys}-{padded - 1}" in found[0]["message"]
+
+
+def test_gpt_sovits_static_kv_bucket_attends_its_unwritten_zero_slots(tmp_path):
+    """Code-Amadeus/Amadeus#22 (written blind, blind-rp, caught before any rule changed for it): GPT-SoVITS's text-to-
+    semantic decoder copies its prefill into a 256-slot static cache of zeros and runs each decode step over every
+    slot with no mask, so the unwritten slots' zero keys take weight. The fix attends the `current_len + 1` slots
+    written."""
+    [hit] = check_bug(tmp_path, "gpt_sovits_amadeus_static_kv_bucket_zero_slots_attended", "zero-keys-seen")
+    assert "one of keys 24-255 whose K and V are exactly zero in every head" in hit["message"], hit

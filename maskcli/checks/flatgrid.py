@@ -9,9 +9,12 @@ one after another in every section, and the text after it counted from its last.
 image's tokens (its config's `image_token_id` or `video_token_id` among the input ids, a grid of the call's
 `image_grid_thw` / `video_grid_thw` rows more than one token), the program states a grid the positions it handed
 cannot express: wrong (verl#1947: the dataset built 3-D positions only for an image processor class named exactly
-`Qwen2VLImageProcessor`, and 1-D ones from the padding for any other). Quiet where the call is handed the (3 or 4,
-B, L) ids, or no position_ids (the model computes them), and on a call whose input holds no image token (a decode
-step's new token).
+`Qwen2VLImageProcessor`, and 1-D ones from the padding for any other). Handed no position_ids, the model
+makes them itself: where its forward then holds (3, B, L) positions that lay the image's tokens one after another,
+alike in t, h and w (trace/mropeused.py: liger-kernel's Qwen2-VL lce_forward and ms-swift#2051's collator left them
+None, and the model of that time copied its cache positions into every section), it is as wrong. Quiet where the
+call is handed the (3 or 4, B, L) ids, or none and the model lays the grid itself (transformers' get_rope_index), and
+on a call whose input holds no image token (a decode step's new token).
 """
 
 from __future__ import annotations
@@ -46,8 +49,25 @@ def _image_runs(ids: np.ndarray, image: int) -> tuple[int, int, int] | None:
     return b, j, j + (rest.size if rest.all() else int(np.argmin(rest))) - 1
 
 
+def _used(run: Run, top) -> tuple[np.ndarray, str] | None:
+    """((C, B, L) positions, the forward that held them) of the first call of `top` whose frames held multimodal rope
+    positions it made itself (trace/mropeused.py), where the program handed it none."""
+    for call in run.made_by(top):
+        used = call.details.get("mrope_used")
+        if used is not None:
+            return used["rows"], used["function"]
+    return None
+
+
+def _flat(positions: np.ndarray, b: int, first: int, last: int) -> bool:
+    """The image's tokens `first`..`last` of batch row `b` sit one after another, alike in every section."""
+    rows = positions[:, b if positions.shape[1] > b else 0, first:last + 1]
+    return bool((rows == rows[:1]).all() and (np.diff(rows[0]) == 1).all())
+
+
 def flat_grid(run: Run) -> list:
-    """Model calls of a multimodal-rope model handed (B, L) position_ids over an image's tokens."""
+    """Model calls of a multimodal-rope model handed (B, L) position_ids over an image's tokens, or that laid them so
+    itself where it was handed none."""
     found, done = [], set()
     for call in run.calls:
         top = run.top(call)
@@ -57,23 +77,35 @@ def flat_grid(run: Run) -> list:
         arguments = top.arguments
         positions, ids = arguments.get("position_ids"), arguments.get("input_ids")
         grids = [arguments[n] for n in ("image_grid_thw", "video_grid_thw") if isinstance(arguments.get(n), np.ndarray)]
-        if not grids or not isinstance(positions, np.ndarray) or positions.ndim != 2 or not isinstance(ids, np.ndarray) \
-                or ids.ndim != 2 or positions.shape[1] != ids.shape[1] or top.config is None \
+        if not grids or not isinstance(ids, np.ndarray) or ids.ndim != 2 or top.config is None \
                 or not _multimodal_rope(top.config):
+            continue
+        used = None
+        if "position_ids" not in arguments and "mrope_position_ids" not in arguments:
+            used = _used(run, top)  # (handed none: what its forward made of them)
+            if used is None or used[0].shape[2] != ids.shape[1]:
+                continue
+        elif not isinstance(positions, np.ndarray) or positions.ndim != 2 or positions.shape[1] != ids.shape[1]:
             continue
         tokens = [t for n in MEDIA if isinstance(t := read(top.config, n), int)]  # (the config's image and video ids)
         runs = next(((t, r) for t in tokens if (r := _image_runs(ids, t)) is not None), None)
         if runs is None or not any(g.ndim == 2 and g.shape[1] == 3 and (g.prod(axis=1) > 1).any() for g in grids):
             continue
         token, (b, first, last) = runs
-        rows = positions[b] if positions.shape[0] > b else positions[0]
+        if used is not None and not _flat(used[0], b, first, last):
+            continue
+        rows = (positions[b] if positions.shape[0] > b else positions[0]) if used is None \
+            else used[0][0, b if used[0].shape[1] > b else 0]
+        said = (f"was handed position_ids of one row per sample {tuple(positions.shape)}" if used is None else
+                f"was handed no position_ids, and its {used[1]} rotated with {tuple(used[0].shape)} ones it made")
         found.append((call, Finding("flat-image-positions", (
-            f"{top.where} was handed position_ids of one row per sample {tuple(positions.shape)} beside an image "
-            f"grid, with rope parameters that state multimodal rope (mrope_section): batch row {b}'s image tokens "
-            f"{first}-{last} (id {token}) are at positions {int(rows[first])}-{int(rows[last])} in t, h and w alike, "
-            f"one after another as text, not on their (t, h, w) grid (hand the model its get_rope_index ids, "
-            f"(3, B, L), or no position_ids)"), expected="(t, h, w) grid positions from get_rope_index",
-            source=f"position_ids of {top.where}", cell=(b, first, first))))
+            f"{top.where} {said} beside an image grid, with rope parameters that state multimodal rope "
+            f"(mrope_section): batch row {b}'s image tokens {first}-{last} (id {token}) are at positions "
+            f"{int(rows[first])}-{int(rows[last])} in t, h and w alike, one after another as text, not on their "
+            f"(t, h, w) grid (hand the model its get_rope_index ids, (3, B, L)"
+            f"{', or no position_ids' if used is None else ', or have its forward make them where it is handed none'})"),
+            expected="(t, h, w) grid positions from get_rope_index",
+            source=f"position_ids of {top.where}" if used is None else used[1], cell=(b, first, first))))
     return found
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import maskcli.trace.held as held_module
+import maskcli.trace.mropeused as mropeused
 
 NAMES = ("position_ids", "positions", "pos_ids", "pos")
 STARTS = ("start_pos", "input_pos", "position", "pos", "seqlen_offset")  # an int parameter: the first query's position
@@ -162,6 +163,7 @@ def note(details: dict, walked, shape: tuple) -> None:
     the call's program frames read (_frames) holds its queries' positions; embedded: the frame is the forward of the
     module that looks them up in its position table; unhanded: that module takes positions and the program's call
     handed it none (_unhanded)."""
+    mropeused.note(details, walked, shape)  # (and the multimodal rope positions a forward holds: checks/flatgrid.py)
     if walked is None or len(shape) != 4 or shape[2] < 1:
         return
     batch, q_len = int(shape[0]), int(shape[2])
