@@ -28,7 +28,7 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
-def _multimodal_rope(config) -> bool:
+def multimodal_rope(config) -> bool:
     """The config (or its text part) states multimodal rope: rope parameters with an `mrope_section`."""
     for part in (config, text_part(config)):
         for name in ("rope_parameters", "rope_scaling"):
@@ -49,14 +49,11 @@ def _image_runs(ids: np.ndarray, image: int) -> tuple[int, int, int] | None:
     return b, j, j + (rest.size if rest.all() else int(np.argmin(rest))) - 1
 
 
-def _used(run: Run, top) -> tuple[np.ndarray, str] | None:
-    """((C, B, L) positions, the forward that held them) of the first call of `top` whose frames held multimodal rope
-    positions it made itself (trace/mropeused.py), where the program handed it none."""
-    for call in run.made_by(top):
-        used = call.details.get("mrope_used")
-        if used is not None:
-            return used["rows"], used["function"]
-    return None
+def _used(top) -> tuple[np.ndarray, str] | None:
+    """((C, B, L) positions, the forward that held them) a model call's forward made itself and rotated its queries
+    with (trace/mropeused.py), else None."""
+    used = top.arguments.get("mrope_used")
+    return None if not isinstance(used, dict) else (used["rows"], used["function"])
 
 
 def _flat(positions: np.ndarray, b: int, first: int, last: int) -> bool:
@@ -78,11 +75,11 @@ def flat_grid(run: Run) -> list:
         positions, ids = arguments.get("position_ids"), arguments.get("input_ids")
         grids = [arguments[n] for n in ("image_grid_thw", "video_grid_thw") if isinstance(arguments.get(n), np.ndarray)]
         if not grids or not isinstance(ids, np.ndarray) or ids.ndim != 2 or top.config is None \
-                or not _multimodal_rope(top.config):
+                or not multimodal_rope(top.config):
             continue
         used = None
         if "position_ids" not in arguments and "mrope_position_ids" not in arguments:
-            used = _used(run, top)  # (handed none: what its forward made of them)
+            used = _used(top)  # (handed none: what its forward made of them)
             if used is None or used[0].shape[2] != ids.shape[1]:
                 continue
         elif not isinstance(positions, np.ndarray) or positions.ndim != 2 or positions.shape[1] != ids.shape[1]:

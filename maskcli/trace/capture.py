@@ -351,7 +351,7 @@ class Trace(Outer, Follow):
             for note in (padfill.note, namedmasks.note, offgrid.note, poolspan.note, padend.note, self.rowsout.note):
                 guarded(note, seen.details, self.sites.walked)  # (fill flags, `x_mask`s, positions, a row mask...)
             guarded(rotated.note, seen.details, self.rotations, self.sites.walked, seen.shape)  # (and ropeat's: positioned.py)
-            guarded(positionsat.note, seen.details, self.sites.walked, seen.shape)  # (checks/cachedpositions.py)
+            guarded(positionsat.note, seen.details, self.sites.walked, seen.shape, self._held_outer())  # (cachedpositions.py)
             chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
             if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
                 seen.details["held_chunks"] = chunks

@@ -158,12 +158,12 @@ def _unhanded(outer, call, walked) -> bool:
     return frame is not None and not _library(frame.f_code.co_filename)
 
 
-def note(details: dict, walked, shape: tuple) -> None:
+def note(details: dict, walked, shape: tuple, outer=None) -> None:
     """details["query_positions"] = {"rows": int64 (rows, Lq), "name", "function", "embedded", "unhanded"} where one of
     the call's program frames read (_frames) holds its queries' positions; embedded: the frame is the forward of the
     module that looks them up in its position table; unhanded: that module takes positions and the program's call
     handed it none (_unhanded)."""
-    mropeused.note(details, walked, shape)  # (and the multimodal rope positions a forward holds: checks/flatgrid.py)
+    mropeused.note(details, walked, shape, outer)  # (the multimodal rope positions a forward holds: flatgrid.py)
     if walked is None or len(shape) != 4 or shape[2] < 1:
         return
     batch, q_len = int(shape[0]), int(shape[2])
