@@ -313,3 +313,17 @@ def test_peft_shadow_classifier_pools_the_last_mask_column_of_a_left_padded_batc
     rows are pooled at a pad. The fix takes each row's rightmost real position."""
     [hit] = check_bug(tmp_path, "peft_shadow_detached_classifier_left_padded_pools_pad_token", "pooled-at-padding")[:1]
     assert hit["message"].startswith("batch row"), hit
+
+
+def test_transformers_biogpt_sequence_classification_pooled_at_a_left_pad(tmp_path):
+    """huggingface/transformers#46782 (written blind, blind-rv, caught before any rule changed for it): BioGPT's
+    sequence-classification head read each row at `ne(input_ids, pad).sum(-1) - 1`, a pad on a left-padded row. The
+    fix takes the rightmost real token; both runs keep positions-vs-keys, true of this transformers' BioGPT, which
+    numbers a left-padded row's tokens by column when handed no position_ids (the row alone matches only with
+    `attention_mask.cumsum(-1) - 1`)."""
+    name = "transformers_biogpt_seqcls_left_padded_pools_count_minus_one"
+    status, found, report = traced(tmp_path, name, False)
+    [hit] = [f for f in found if f["code"] == "pooled-at-padding"]
+    assert status == 1 and "batch row 1 of BioGptModel's output is read at position 3" in hit["message"], report
+    status, found, report = traced(tmp_path, name, True)
+    assert {f["code"] for f in found if f["severity"] == "wrong"} == {"positions-vs-keys"}, report

@@ -18,6 +18,15 @@ def operands_of(func, args: tuple) -> tuple:
     return operands
 
 
+def batched(x: torch.Tensor) -> bool:
+    """A product's operand that holds a batch of its own, not one table shared by every row: false only of a tensor of
+    more than one batch row whose every leading axis longer than one is a broadcast (stride 0), as Performer's random
+    features are (`projection_matrix[None, None].expand(b, h, m, d)`: q @ featuresᵀ is no score of a query for a key).
+    A batch of one says nothing (a grouped-query key expanded over its heads looks the same)."""
+    lead = [stride for size, stride in zip(x.shape[:-2], x.stride()[:-2]) if size > 1]
+    return x.dim() < 3 or x.shape[0] < 2 or any(lead) or not lead
+
+
 def follow(found: dict, key, out: torch.Tensor, *entry) -> None:
     """Keep (a weak reference to `out`, *entry) under `key` in `found`, let go when `out` dies (every entry forgotten
     past KEEP of them)."""

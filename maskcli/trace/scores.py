@@ -19,7 +19,7 @@ import torch
 
 import maskcli.trace.headquery as headquery
 from maskcli.trace.copiedfold import copied_fold
-from maskcli.trace.followed import operands_of
+from maskcli.trace.followed import batched, operands_of
 from maskcli.trace.headadded import heads_apart
 from maskcli.trace.keyrows import key_rows, noted
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes, query_by_key as _query_by_key
@@ -89,7 +89,7 @@ class Scores:
             operands = operands_of(func, args)
             if func in (torch.baddbmm, torch.Tensor.baddbmm):
                 operands = operands[1:3]  # (input, batch1, batch2): the product is batch1 @ batch2
-            if sum(isinstance(x, torch.Tensor) and x.dim() >= 3 for x in operands) >= 2:
+            if sum(isinstance(x, torch.Tensor) and x.dim() >= 3 and batched(x) for x in operands) >= 2:
                 if func is not torch.einsum or _query_by_key(args[0]):
                     self._note(out)
                     fold = batch_major(operands[0], out) or copied_fold(operands[0], out)
