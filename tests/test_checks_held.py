@@ -1326,3 +1326,11 @@ def test_image_padding_against_a_double_loop(real, image):
             and max(w for _, w in spans) == width and not table.all()
 
     assert image_padding(table) == image == any(fits(w) for w in range(2, length // 2 + 1) if length % w == 0)
+
+
+def test_rtorch_mha_float_key_padding_mask_read_by_masked_fill(tmp_path):
+    """mlverse/torch#1205, fixed by #1208 (6d277a82e; written blind, blind-rz, caught before any rule changed for it):
+    R torch's nnf_multi_head_attention_forward passed any key_padding_mask to masked_fill, so a float 0 / -Inf mask
+    masked nothing and the padded keys kept their weight. The fix adds a float mask to the weights."""
+    [hit] = check_bug(tmp_path, "rtorch_mha_float_key_padding_mask_masked_fill", "padding-unused")
+    assert tuple(hit["cell"]) == (2, 0, 4) and "batch row 2: query 0 sees key 4" in hit["message"], hit

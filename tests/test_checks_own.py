@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkbugs import check_bug, first
+from checkbugs import check_bug, first, traced
 
 OWN = Path(__file__).parent / "data" / "own"
 
@@ -311,3 +311,11 @@ def test_a_sliding_window_of_one_key_is_no_window_that_sees_both_ways():
     assert result.exit_code in (0, 1) and "unexpected" not in result.output, result.output  # (1: its decode steps)
     assert "full-narrower-than-sliding" not in result.output
     assert "#0 window(1) (--lengths 3,2 --pad left)" in result.output, result.output
+
+
+def test_a_helper_called_with_a_literal_causal_false_overrides_the_module_flag(tmp_path):
+    # ChunkedSelfAttention states is_causal=True; its pass over the chunk before each chunk is `attend(..., causal=False)`
+    # (all those keys lie before the queries): the program's word at the call, as a model call's is_causal=False is
+    folder = Path(__file__).parent / "data" / "chunkmerge"
+    status, found, report = traced(tmp_path, "unpadded_chunks_own_causal_previous_full_merged_by_lse", False, folder)
+    assert status == 0 and "causal-flag-ignored" not in {f["code"] for f in found}, report

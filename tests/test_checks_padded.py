@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import maskcli
-from checkbugs import check_bug, first
+from checkbugs import check_bug, first, traced
 from maskcli.checks.registry import severity
 
 PADDED = Path(__file__).parent / "data" / "padded"
@@ -93,3 +93,12 @@ def test_zeros_without_a_mask_and_a_mask_over_samples_that_are_not_zero_are_quie
     assert not [c for c in _codes(feats) if c[0] == "zero-padding-attended"]  # zeros alone: silence, say
     real = torch.randn(2, 6, 3) + 2.0  # a mask over samples that are not zero: a pretraining mask, not padding
     assert not [c for c in _codes(real, mask=mask) if c[0] == "zero-padding-attended"]
+
+
+def test_heads_of_one_packed_sequence_are_not_read_as_batch_rows(tmp_path):
+    # a left-padded batch of two (zeros and attention_mask 0 at the padding) unpadded to one packed sequence, whose
+    # attention is (H, Lq, Lk) einsum scores of one sequence: two heads, as many as the batch's rows, which a reading of
+    # the rows as batch rows would hold to the padding of the wrong sequence
+    folder = Path(__file__).parent / "data" / "chunkmerge"
+    status, found, report = traced(tmp_path, "unpadded_chunks_own_causal_previous_full_merged_by_lse", False, folder)
+    assert status == 0 and "zero-padding-attended" not in {f["code"] for f in found}, report

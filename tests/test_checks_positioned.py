@@ -530,3 +530,11 @@ def test_optimum_ort_causal_lm_left_padded_generation_no_position_ids(tmp_path):
     hit = check_bug(tmp_path, "optimum_ort_causal_lm_left_padded_generation_no_position_ids", "positions-vs-keys")[0]
     pads = 4  # (the program's input_ids: row 1 is [pad] * 4 + 4 tokens)
     assert f"batch row 1: query {pads} starts a sequence" in hit["message"] and f"at position {pads}" in hit["message"]
+
+
+def test_transformerlens_bridge_left_padded_batch_handed_no_position_ids(tmp_path):
+    """TransformerLensOrg/TransformerLens#1609, fixed by #1610 (written blind, blind-sa, caught before any rule changed
+    for it): TransformerBridge handed the wrapped GPT-2 a left-padded batch's attention_mask but no position_ids, so the
+    shorter prompt's tokens were embedded at their columns. The fix derives them from the mask."""
+    [hit] = check_bug(tmp_path, "transformerlens_bridge_left_padded_no_position_ids", "positions-vs-keys")
+    assert tuple(hit["cell"]) == (1, 4, 4) and "counting 4 tokens before them they do not see" in hit["message"], hit

@@ -582,3 +582,12 @@ def test_autoawq_fused_cache_start_pos_kept_across_generate_calls(tmp_path):
     pass of the same site was causal."""
     hit = check_bug(tmp_path, "autoawq_fused_cache_start_pos_kept_across_generate_calls", "causal-lost")[0]
     assert tuple(hit["cell"]) == (0, 0, 1) and "step 0 of model.blocks.0 is causal" in hit["message"], hit
+
+
+def test_a_chunk_the_program_asks_non_causal_loses_no_causality(tmp_path):
+    # local attention in two passes a chunk, merged by log-sum-exp: its own chunk `attend(..., causal=True)`, the chunk
+    # before it `attend(..., causal=False)` through the same helper (MoBA's varlen path, quiet-r114a, writes its gated
+    # chunks so): the program's literal word at the call, not a prefill that lost its triangle
+    folder = Path(__file__).parent / "data" / "chunkmerge"
+    status, found, report = traced(tmp_path, "unpadded_chunks_own_causal_previous_full_merged_by_lse", False, folder)
+    assert status == 0 and "causal-lost" not in {f["code"] for f in found}, report

@@ -51,8 +51,10 @@ def flag_ignored(run: Run) -> list:
                   if call.details.get("hf") is None and call.stored is not None and 1 < call.shape[2] <= call.shape[3]
                   and call.details.get("slots") is None
                   and (call.shape[2] == call.shape[3] or not cross(call))]
-    candidates = [(call, said) for call, said in candidates if said and not said_both_ways(run.top(call))]
-    # (a model call handed is_causal=False overrides its modules' own flag: checks/callcausal.py)
+    candidates = [(call, said) for call, said in candidates if said and not said_both_ways(run.top(call))
+                  and (call.details.get("call_causal") or {}).get("causal") is not False]
+    # (a model call handed is_causal=False overrides its modules' own flag, as does a helper the program calls with a
+    # literal causal=False at this call, trace/calledflag.py: checks/callcausal.py reads both)
     if not candidates:
         return []  # (most runs: no module says it is causal, or every call of one is transformers')
     judged, found, done = explained(run), [], set()

@@ -110,6 +110,9 @@ def _finding(call, top) -> Finding | None:
     cells = keep(call)
     if keys is None or cells is None or cells.shape[0] not in (1, rows) or not_heads(call):
         return None  # (an axis of blocks where heads were read: its keys are one block's, no patches of the samples)
+    if call.shape[1] == 1 and rows > 1 and call.details.get("stated_heads") == rows:
+        return None  # (its rows may as well be one sequence's heads, as many as its module states: (H, L, L) scores
+        # of a packed sequence's `"xhd,yhd->hxy"`, MoBA's naive reference; no reading of batch rows is sure)
     size = real.shape[0]
     if rows == size:
         folds = [np.arange(rows)]

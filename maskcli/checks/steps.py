@@ -316,6 +316,9 @@ def causal_lost(run: Run) -> list:
                 continue
             if q_len < 2 or q_len != k_len or causal is not None and rerun is not None and n not in rerun:
                 continue  # (a site that decodes by running its prefix again: those passes judged, not any other)
+            if causal is not None and (call.details.get("call_causal") or {}).get("causal") is False:
+                continue  # (the program's own call asks this one non-causal, `causal=False` written at it: MoBA's
+                # gated chunks beside its causal own chunk, through one varlen function; callcausal.py reads that word)
             if call.api == "mha" and causal is not None and rerun is None and not _decode_follows(calls[n + 1:]):
                 continue
             cells = keep(call)

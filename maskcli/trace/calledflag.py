@@ -88,8 +88,9 @@ def called_flag(stack: list, walked, length: int) -> dict | None:
 
 
 def note(details: dict, stack: list, walked, shape: tuple) -> None:
-    """details["call_causal"] of one attention call (shape: its (B, H, Lq, Lk)); square self-attention only."""
-    if len(shape) != 4 or shape[2] != shape[3] or shape[2] < 2:
+    """details["call_causal"] of one attention call (shape: its (B, H, Lq, Lk)) of several queries, no more than its
+    keys (a chunk's queries against earlier keys too: checks/own.py and steps.py hold a literal causal=False there)."""
+    if len(shape) != 4 or shape[2] > shape[3] or shape[2] < 2:
         return
     try:
         said = called_flag(stack, walked, int(shape[3]))
