@@ -11,8 +11,8 @@ image's tokens (its config's `image_token_id` or `video_token_id` among the inpu
 cannot express: wrong (verl#1947: the dataset built 3-D positions only for an image processor class named exactly
 `Qwen2VLImageProcessor`, and 1-D ones from the padding for any other). Handed no position_ids, the model
 makes them itself: where its forward then holds (3, B, L) positions that lay the image's tokens one after another,
-alike in t, h and w (trace/mropeused.py: liger-kernel's Qwen2-VL lce_forward and ms-swift#2051's collator left them
-None, and the model of that time copied its cache positions into every section), it is as wrong. Quiet where the
+alike in t, h and w (trace/mropeused.py: ms-swift#2051's collator left them None, and the model of that time copied
+its cache positions into every section), it is as wrong. Quiet where the
 call is handed the (3 or 4, B, L) ids, or none and the model lays the grid itself (transformers' get_rope_index), and
 on a call whose input holds no image token (a decode step's new token).
 """

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from maskcli.trace.positionsat import _POSITION
+from maskcli.trace.positionsat import POSITION
 
 _TABLES: dict = {}  # id(module) -> (weakref to it, (padding_idx, table's name) or None)
 _GENERATION = os.sep + os.path.join("transformers", "generation") + os.sep
@@ -30,7 +30,7 @@ def _table(module):
     if got is None or got[0]() is not module:
         found = next(((m.padding_idx, name) for name, m in module.named_modules()
                       if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None
-                      and _POSITION.search(name.rsplit(".", 1)[-1])), None)
+                      and POSITION.search(name.rsplit(".", 1)[-1])), None)
         if len(_TABLES) >= 64:
             _TABLES.clear()
         got = _TABLES[id(module)] = (weakref.ref(module), found)

@@ -31,7 +31,7 @@ STARTS = ("start_pos", "input_pos", "position", "pos", "seqlen_offset")  # an in
 OFFSETS = ("seqlen_offset",)  # a local too: the tokens before the queries, as the function read them off its cache
 # (fla's attention layers, `seqlen_offset = past_key_values.get_seq_length(self.layer_idx)`, no loop counts with it)
 FRAMES = 2  # the attention's function and the one that called it
-_POSITION = re.compile(r"^(?:wpe|pos_?emb\w*|\w*position\w*|embed_pos\w*)$", re.I)
+POSITION = re.compile(r"^(?:wpe|pos_?emb\w*|\w*position\w*|embed_pos\w*)$", re.I)
 _EMBEDS: dict = {}  # id(module) -> (weakref to it, whether it holds a position table)
 _ACCEPTS: dict = {}  # forward's function -> the place of its positions parameter, -1 for none (_accepts)
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
@@ -81,7 +81,7 @@ def _embeds_positions(module) -> bool:
     embedded, which no layer moves on (a rotary model's layers may offset theirs: EAGLE-3's steps)."""
     got = _EMBEDS.get(id(module))
     if got is None or got[0]() is not module:
-        found = any(isinstance(m, torch.nn.Embedding) and _POSITION.search(name.rsplit(".", 1)[-1])
+        found = any(isinstance(m, torch.nn.Embedding) and POSITION.search(name.rsplit(".", 1)[-1])
                     for name, m in module.named_modules())
         if len(_EMBEDS) >= 64:
             _EMBEDS.clear()
