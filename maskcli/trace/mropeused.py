@@ -18,9 +18,9 @@ import torch
 
 from maskcli.checks.flatgrid import multimodal_rope
 from maskcli.checks.intent import read
+from maskcli.trace.padded import MOST  # (elements of one argument read at most, tops.py's one limit)
 
 FRAMES = 48  # frames read outward from the innermost module call
-MOST = 1 << 20  # elements of positions copied at most
 _NAMES: dict = {}  # id(code) -> (code, whether it is a forward that names position_ids)
 _MODULES: dict = {}  # id(module) -> (weakref to it, whether its config states multimodal rope)
 

@@ -16,11 +16,11 @@ from collections.abc import Mapping
 
 import torch
 
+from maskcli.trace.padded import MOST  # (elements of one argument read at most, tops.py's one limit)
 from maskcli.trace.positionsat import POSITION
 
 _TABLES: dict = {}  # id(module) -> (weakref to it, (padding_idx, table's name) or None)
 _GENERATION = os.sep + os.path.join("transformers", "generation") + os.sep
-MOST = 1 << 20  # elements of one tensor read at most
 FRAMES = 6  # frames read outward from the model call for transformers' generation loop (torch's own in between)
 
 
