@@ -98,3 +98,13 @@ def test_slot_update_mask_and_padding_combined_in_place(tmp_path):
     b, q, k = found[0]["cell"]
     lengths = [6, 3, 5, 2]
     assert k >= 4 + lengths[b] and q != b  # (a key batch row b pads, seen by a query masked with another row's padding)
+
+
+def test_flashdeberta_eager_fallback_two_dimensional_mask_on_queries(tmp_path):
+    """Knowledgator/FlashDeBERTa#6, fixed by 394604d (written blind, blind-sg, caught before any rule changed for it):
+    the encoder's get_attention_mask override handed the eager attention the (B, L) padding unchanged, so its
+    masked_fill read it as (queries, keys) against (B, H, L, L) scores, batch == L: query i took sentence i's padding.
+    The fix builds the (B, 1, L, L) mask from the 2D one, as DebertaV2Encoder does."""
+    found = check_bug(tmp_path, "flashdeberta_eager_fallback_encoder_2d_mask_batched_ner", "batch-rows-on-queries")
+    assert tuple(found[0]["cell"]) == (1, 0, 4), found[0]
+    assert "a (6, 6) key padding broadcast as (queries, keys)" in " ".join(found[0]["message"].split())
