@@ -97,3 +97,13 @@ def test_bigdl_llm_gptj_speculative_positions_from_the_caches_head_axis(tmp_path
     cached there."""
     hit = check_bug(tmp_path, "bigdl_llm_gptj_speculative_cpu_position_ids_from_head_dim", "positions-inside-cache")[0]
     assert tuple(hit["cell"]) == (0, 0, 4) and "not after its 12 real tokens" in hit["message"], hit
+
+
+def test_a_draft_tree_checked_by_a_longer_plain_pass_is_quiet(tmp_path):
+    """EAGLE-2's dynamic draft tree (written blind, quiet-r115a, a false alarm): the draft checked itself with a plain
+    causal pass over a longer chain at its layer, then drafted on from its own shorter cache, several nodes a depth at
+    one position; the tree steps were judged against the check's positions. Written another way
+    (tests/data/cachedpositions): a prompt's cache of 9, a check of 12, then two nodes a depth. The first step has
+    fewer keys than the check's and its own, so the cache the tree grows is not the check's."""
+    status, found, report = traced(tmp_path, "draft_tree_checked_by_a_plain_pass_first", False, HERE)
+    assert status == 0 and not [f for f in found if f["code"].startswith("positions-")], report

@@ -14,7 +14,9 @@ key column j is position j) or after them (`torch.cat([new, cached])`, pi0/pi05)
 may hold; a layout holds where every real query of the step hides every key the prefill's real queries never saw
 (its padding) and sees some key of its own. Only a query wrong under every layout that holds is said. Padding keys
 (never seen at the prefill) are not counted; left alone: a step whose keys are fewer than the prefill's and its own
-(a window or an evicting cache renumbers), a step over another number of batch rows, cross-attention.
+(a window or an evicting cache renumbers), and every later step of its site until the next prefill (the cache they
+grow is not the prefill's: EAGLE-2's draft runs a plain causal pass over a chain to check itself, then drafts on
+from its own shorter cache), a step over another number of batch rows, cross-attention.
 """
 
 from __future__ import annotations
@@ -130,6 +132,9 @@ def check(run: Run) -> list:
                 prefill, next_one = None if read is None else (call, *read), True
                 continue
             first, next_one = next_one, False  # (the site's first step after its prefill)
+            if prefill is not None and k_len < prefill[2].shape[1] + q_len:
+                prefill = None  # (fewer keys than the prefill's and its own: a window, a cache cut back or begun anew
+                continue  # over other tokens (EAGLE's draft checked by a plain pass); later steps grow that one)
             held = call.details.get("query_positions")
             if prefill is None or held is None or q_len > k_len:
                 continue
