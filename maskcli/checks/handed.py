@@ -18,7 +18,10 @@ cannot see): per batch row and real query, over the real keys in their order (pa
   `sliding_window` keys the model's config states (the (W, 0) tuple a module derives from it is FlashAttention's
   convention, one key wider: eole's SelfMHA).
 
-Paged calls whose columns are slots are left alone.
+A one-sided window (L, 0) bounds how far back a query reaches; where the run places the queries and key column j is
+position j, the keys after a query are left to the rules of causality (Gemma 3's image blocks attend both ways inside
+a sliding layer, the window bounding only the keys before: gemma_pytorch's `local_mask`). Paged calls whose columns are
+slots are left alone.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries
+from maskcli.checks.placing import queries_stated
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -76,6 +80,9 @@ def held_window(run: Run) -> list:
             continue
         rows = by_row(cells, call.shape[0] if cells.shape[0] in (1, call.shape[0]) else None)
         real = resolve(call, top, rows)
+        if right == 0 and (call.shape[2] == call.shape[3] or queries_stated(call, top)) \
+                and columns_are_positions(call, top, own):
+            rows = rows & (np.arange(call.shape[3]) <= own[:, None])  # (keys after the query: not a one-sided window's)
         has, lo, hi, count, first, last, total = _spans(rows, real)
         width = left + right + 1
         keys = _positions(call, own, top)
