@@ -330,3 +330,13 @@ def test_image_blocks_both_ways_inside_a_one_sided_window(tmp_path):
     real = np.array([[1] * 11, [0, 0, 0] + [1] * 8], dtype=bool)
     b, _, k = first((2, 1, 11), lambda b, q, k: real[b, k] and 11 - k > 3)
     assert tuple(hit["cell"]) == (b, 11, k) and hit["expected"] == "window(4)", hit
+
+
+def test_megatron_bridge_gemma2_sliding_window_built_only_with_a_mask(tmp_path):
+    """NVIDIA-NeMo/Megatron-Bridge#4308, fixed by c60434f90 (written blind, blind-sv, caught before any rule changed for
+    it): Gemma2DotProductAttention built the sliding-window mask only `if attention_mask is not None`, and pretraining
+    hands none, so the sliding layers (window_size = (8, 0) here) attended the whole causal prefix. By a double loop
+    over that causal prefix of 20 unpadded tokens: the first query that sees a key more than 8 back."""
+    hit = check_bug(tmp_path, "megatron_bridge_gemma2_swa_gate_skipped_without_attention_mask", "window-dropped")[0]
+    b, q, k = first((2, 20, 20), lambda b, q, k: k <= q and q - k > 8)
+    assert tuple(hit["cell"]) == (b, q, k) and hit["expected"] == "window(9)", hit

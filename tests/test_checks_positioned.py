@@ -538,3 +538,22 @@ def test_transformerlens_bridge_left_padded_batch_handed_no_position_ids(tmp_pat
     shorter prompt's tokens were embedded at their columns. The fix derives them from the mask."""
     [hit] = check_bug(tmp_path, "transformerlens_bridge_left_padded_no_position_ids", "positions-vs-keys")
     assert tuple(hit["cell"]) == (1, 4, 4) and "counting 4 tokens before them they do not see" in hit["message"], hit
+
+
+def test_executorch_llama2_cached_decode_freqs_cos_sliced_from_zero(tmp_path):
+    """pytorch/executorch#2010, fixed by 027ad541b5 (written blind, blind-sx; caught once trace/ropeat.py read the
+    `freqs_cos` / `freqs_sin` pair llama2.c's model names its real tables): Transformer.forward sliced the tables
+    `[:seqlen]` with the cache on, so each token fed one at a time at start_pos was rotated at position 0. Step 1
+    already sees 2 keys with the table of position 0. Kept in tests/data/blind."""
+    hit = check_bug(tmp_path, "executorch_llama2_kv_cache_rope_sliced_from_zero", "positions-vs-keys", BLIND)[0]
+    assert tuple(hit["cell"]) == (0, 0, 1) and "freqs_cos/freqs_sin of Attention.forward" in hit["message"], hit
+
+
+def test_llama2c_style_decode_tables_sliced_from_zero(tmp_path):
+    """Written another way: llama2.c's precomputed freqs_cos / freqs_sin buffers (interleaved pairs, no inv_freq:
+    position 0 read alone), a batch of 2 prompts of 6 read at once (SDPA causal), then a cache grown by torch.cat.
+    Each decode step slices the tables' first row: step 1's query sees 7 keys with the table of position 0."""
+    hit = check_bug(tmp_path, "llama2c_style_decode_freqs_sliced_from_zero", "positions-vs-keys", POSITIONS)[0]
+    # (a query at position 0 counts one key, its own place: the first key past it is the one whose distance is lost)
+    assert tuple(hit["cell"]) == first((2, 1, 7), lambda b, q, k: k >= 1)
+    assert "sees 7 keys" in hit["message"] and "freqs_cos/freqs_sin" in hit["message"], hit

@@ -1,8 +1,9 @@
 """The positions a rotary table encodes where a cached step applies it: read off the (cos, sin) its frame holds.
 
 Where an attention call's queries are fewer than its keys (a step over a cache), the function that made the call holds
-the rotary table it rotated them with (`cos, sin`, or `position_embeddings` as transformers hands it; `freqs_cis`, a
-complex one; RoFormer's `sinusoidal_pos` or GPT-J's `sincos`, sin and cos joined on the last axis). Each position p is
+the rotary table it rotated them with (`cos, sin`, llama2.c's `freqs_cos, freqs_sin`, or `position_embeddings` as
+transformers hands it; `freqs_cis`, a complex one; RoFormer's `sinusoidal_pos` or GPT-J's `sincos`, sin and cos joined
+on the last axis). Each position p is
 encoded as angles p·f for the rotary frequencies f: the lowest frequency's angle, over f and times a linear scaling
 factor where the module states one, gives p without wrapping for any length a model holds. The frequencies are the
 `inv_freq` buffer of a module a program frame's `self` holds (the attention's, else the model's around it, as
@@ -17,7 +18,7 @@ import weakref
 
 import torch
 
-PAIRS = (("cos", "sin"), ("cos_q", "sin_q"))
+PAIRS = (("cos", "sin"), ("cos_q", "sin_q"), ("freqs_cos", "freqs_sin"))
 TUPLES = ("position_embeddings", "rotary_emb", "rotary_pos_emb")
 COMPLEX = ("freqs_cis", "freqs_complex", "rope")
 JOINED = (("sinusoidal_pos", True), ("sincos", True), ("sin_cos", True), ("cos_sin", False))  # (one tensor, its last
