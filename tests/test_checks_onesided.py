@@ -89,3 +89,24 @@ def test_quiet_where_a_prefix_lm_sees_later_keys(monkeypatch):
     assert onesided._crossed(Call(), 1) is None
     monkeypatch.setattr(onesided, "keep", lambda call: np.ones((1, heads, n, n), dtype=bool))
     assert onesided._crossed(Call(), 1) == first((1, n, n), lambda b, q, k: k > q)
+
+
+def test_x_transformers_t5_buckets_causal_test_inverted(tmp_path):
+    """lucidrains/x-transformers#10, fixed by 6d0c641 (written blind, blind-ta, caught before any rule changed for it):
+    the T5 bucket function tested `if causal:` for `if not causal:`, so the copy task's encoder (no causal mask, a
+    right-padded source) got one bucket for every later key. The first cell by a double loop over the encoder's
+    mask: row 0 is unpadded (length 12), so query 0 sees key 1 first. Its fix keeps one true wrong finding of the
+    program as written: the decoder's padded target rows see no key (a finite fill: uniform over the later pads) and
+    the loss counts their pad targets (ignore_index -100, pad 0)."""
+    from checkbugs import traced
+
+    lengths = [12, 8, 5]
+    status, found, report = traced(tmp_path, "x_transformers_t5_rel_pos_bucket_causal_flag_inverted", False)
+    [hit] = [f for f in found if f["code"] == "position-bias-one-sided"]
+    assert tuple(hit["cell"]) == first((3, 12, 12), lambda b, q, k: k > q and k < lengths[b] and q < lengths[b])
+    assert "or the bias was built one-sided for a layer meant to attend both ways" in " ".join(hit["message"].split())
+    status, fixed, report = traced(tmp_path, "x_transformers_t5_rel_pos_bucket_causal_flag_inverted", True)
+    assert {f["code"] for f in fixed if f["severity"] == "wrong"} == {"empty-rows-trained"}, report
+    [empty] = [f for f in fixed if f["code"] == "empty-rows-trained"]
+    b = 1  # (the first padded row: target length 1 + 8, input rows 9.. are pads)
+    assert tuple(empty["cell"][:2]) == (b, lengths[b] + 1), empty

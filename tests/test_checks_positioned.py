@@ -557,3 +557,14 @@ def test_llama2c_style_decode_tables_sliced_from_zero(tmp_path):
     # (a query at position 0 counts one key, its own place: the first key past it is the one whose distance is lost)
     assert tuple(hit["cell"]) == first((2, 1, 7), lambda b, q, k: k >= 1)
     assert "sees 7 keys" in hit["message"] and "freqs_cos/freqs_sin" in hit["message"], hit
+
+
+def test_qwen2_vl_prompt_tuning_decode_positions_from_a_missing_cache_position(tmp_path):
+    """huggingface/transformers#42508 (written blind, blind-sz, caught before any rule changed for it): under PEFT's
+    prompt tuning (4 virtual tokens prepended as inputs_embeds, the mask extended, cache_position dropped) Qwen2-VL's
+    decode delta fell to 0 with cache_position None, so every generated token was rotated at position 0. The fix
+    counts the cache's length. Row 0 (left-padded) sees its 9 real cached tokens and itself at decode step 1."""
+    hit = check_bug(tmp_path, "transformers_qwen2vl_peft_prompt_tuning_decode_positions_from_none_cache_position",
+                    "positions-vs-keys")[0]
+    message = " ".join(hit["message"].split())
+    assert tuple(hit["cell"][:2]) == (0, 0) and "sees 10 keys" in message and "no position past 0" in message, hit

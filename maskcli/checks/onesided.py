@@ -95,7 +95,8 @@ def one_sided(run: Run) -> list:
         f"(one bucket for all k - q {'>' if side == 1 else '<'} 0, on every head) and tells only the other side's "
         f"distances apart: a model that never looks {'ahead' if side == 1 else 'back'}; yet its mask lets every real "
         f"query see {later} keys (batch row {cell[0]}: query {cell[1]} sees key {cell[2]}; {sites} call site"
-        f"{'s' if sites > 1 else ''}): the {'causal' if side == 1 else 'anti-causal'} mask is missing"),
+        f"{'s' if sites > 1 else ''}): the {'causal' if side == 1 else 'anti-causal'} mask is missing, or the bias "
+        f"was built one-sided for a layer meant to attend both ways (x-transformers#10's inverted `causal` test)"),
         expected=f"{'causal' if side == 1 else 'no earlier key'}", source=f"the position bias added at {call.where}",
         cell=cell))]
 
