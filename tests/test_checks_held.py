@@ -1334,3 +1334,16 @@ def test_rtorch_mha_float_key_padding_mask_read_by_masked_fill(tmp_path):
     masked nothing and the padded keys kept their weight. The fix adds a float mask to the weights."""
     [hit] = check_bug(tmp_path, "rtorch_mha_float_key_padding_mask_masked_fill", "padding-unused")
     assert tuple(hit["cell"]) == (2, 0, 4) and "batch row 2: query 0 sees key 4" in hit["message"], hit
+
+
+def test_fastplms_stack_switched_to_flex_blocks_keep_sdpa_unmasked(tmp_path):
+    """Synthyra/FastPLMs 616e7a7 (written blind, blind-te, caught before any rule changed for it): switching a built
+    ESM++ model's stack to "flex" made it build only a block mask and hand its blocks attention_mask=None, while every
+    block kept running SDPA: the 10-residue protein (12 tokens with <cls> and <eos>, right-padded to 28) attended its
+    padding. The fix's setter hands the backend to every block. The first cell by a double loop."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "fastplms_esmplusplus_stack_backend_switch_blocks_keep_sdpa", "padding-ignored")[0]
+    real = [2 + 26, 2 + 10]
+    assert tuple(hit["cell"]) == first((2, 28, 28), lambda b, q, k: q < real[b] and k >= real[b])
+    assert "the attention_mask given to ESMplusplusModel marks as padding" in " ".join(hit["message"].split())

@@ -591,3 +591,14 @@ def test_a_chunk_the_program_asks_non_causal_loses_no_causality(tmp_path):
     folder = Path(__file__).parent / "data" / "chunkmerge"
     status, found, report = traced(tmp_path, "unpadded_chunks_own_causal_previous_full_merged_by_lse", False, folder)
     assert status == 0 and "causal-lost" not in {f["code"] for f in found}, report
+
+
+def test_unsloth_granite_batched_decode_mask_built_and_never_added(tmp_path):
+    """unslothai/unsloth#4100, 6d0f864369 item 3 (written blind, blind-tf, caught before any rule changed for it):
+    Granite's fast decode built the 4-D mask and left its addition commented out, so a left-padded row's decode
+    queries attended its pads. The fix hands SDPA the mask as bool. Prompts of 8 and 3 tokens, left-padded to 8: the
+    first decode step (position 8) and the first pad key it sees, by a loop over the pads."""
+    hit = check_bug(tmp_path, "unsloth_granite_batched_decode_mask_not_added", "padding-lost")[0]
+    pads = [8 - 8, 8 - 3]
+    b, _, k = first((2, 1, 9), lambda b, q, k: k < pads[b])
+    assert tuple(hit["cell"]) == (b, 8, k) and "the padding is lost behind the cache" in hit["message"], hit
