@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkbugs import check_bug, first
+from checkbugs import check_bug, first, traced
 from maskcli.checks.onesided import _sides
 from maskcli.trace.posbias import profile
 
@@ -98,8 +98,6 @@ def test_x_transformers_t5_buckets_causal_test_inverted(tmp_path):
     mask: row 0 is unpadded (length 12), so query 0 sees key 1 first. Its fix keeps one true wrong finding of the
     program as written: the decoder's padded target rows see no key (a finite fill: uniform over the later pads) and
     the loss counts their pad targets (ignore_index -100, pad 0)."""
-    from checkbugs import traced
-
     lengths = [12, 8, 5]
     status, found, report = traced(tmp_path, "x_transformers_t5_rel_pos_bucket_causal_flag_inverted", False)
     [hit] = [f for f in found if f["code"] == "position-bias-one-sided"]

@@ -35,11 +35,12 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
-def _positions(call, own: np.ndarray, top) -> np.ndarray:
-    """Each key column's absolute position, as shown: j where columns are positions, else the most recent keys ending
-    at the last query (a cache sliced to the window keeps them)."""
+def _positions(call, own: np.ndarray, positional: bool) -> np.ndarray:
+    """Each key column's absolute position, as shown: j where columns are positions (`positional`:
+    columns_are_positions), else the most recent keys ending at the last query (a cache sliced to the window keeps
+    them)."""
     k_len = call.shape[3]
-    if columns_are_positions(call, top):
+    if positional:
         return np.arange(k_len)
     last = int(own[-1])
     return np.arange(last + 1 - k_len, last + 1)
@@ -80,12 +81,13 @@ def held_window(run: Run) -> list:
             continue
         rows = by_row(cells, call.shape[0] if cells.shape[0] in (1, call.shape[0]) else None)
         real = resolve(call, top, rows)
-        if right == 0 and (call.shape[2] == call.shape[3] or queries_stated(call, top)) \
-                and columns_are_positions(call, top, own):
+        positional = columns_are_positions(call, top, own)
+        square = call.shape[2] == call.shape[3] and positional
+        if right == 0 and positional and (square or queries_stated(call, top)):
             rows = rows & (np.arange(call.shape[3]) <= own[:, None])  # (keys after the query: not a one-sided window's)
         has, lo, hi, count, first, last, total = _spans(rows, real)
         width = left + right + 1
-        keys = _positions(call, own, top)
+        keys = _positions(call, own, positional)
         wide = has & (hi - lo + 1 > width)
         # where each query's newest key sits from its placing: the same in two calls of one run that attend the same
         # queries (each tile of a query-tiled kernel sees other keys)
@@ -119,7 +121,6 @@ def held_window(run: Run) -> list:
         # a one-sided window ends at the query's own key: the newest key a row sees is where it sits, as a kernel's
         # query tile places it (a symmetric one's queries are placed as trace places them, and so are a square call's
         # over positions, every query there: its newest key may be a later one, seen where the window is dropped)
-        square = call.shape[2] == call.shape[3] and columns_are_positions(call, top)
         at = z if right == 0 and not square else int(own[q])
         branch[len(found)] = (call.details.get("window_frame"), tuple(held), ends)
         found.append((call, Finding("window-dropped", (
@@ -201,7 +202,7 @@ def _counted_wide(run: Run) -> list:
         rows = by_row(cells, call.shape[0] if cells.shape[0] in (1, call.shape[0]) else None)
         real = resolve(call, top, rows)
         has, lo, hi, count, first, last, total = _spans(rows, real)
-        keys = _positions(call, own, top)
+        keys = _positions(call, own, columns_are_positions(call, top, own))
         if (has & (keys[last] > own[None, :])).any():
             continue  # (a query sees a later key: not a one-sided window's mask)
         wide = has & (hi - lo + 1 > window + 1)

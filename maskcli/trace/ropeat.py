@@ -3,13 +3,12 @@
 Where an attention call's queries are fewer than its keys (a step over a cache), the function that made the call holds
 the rotary table it rotated them with (`cos, sin`, llama2.c's `freqs_cos, freqs_sin`, or `position_embeddings` as
 transformers hands it; `freqs_cis`, a complex one; RoFormer's `sinusoidal_pos` or GPT-J's `sincos`, sin and cos joined
-on the last axis). Each position p is
-encoded as angles p·f for the rotary frequencies f: the lowest frequency's angle, over f and times a linear scaling
-factor where the module states one, gives p without wrapping for any length a model holds. The frequencies are the
-`inv_freq` buffer of a module a program frame's `self` holds (the attention's, else the model's around it, as
-transformers keeps its rotary module); without one, only a table of position 0 alone (every cos 1, every sin 0:
-whatever the frequencies) is read. Read only at a cached step's call, on one column of the table (O(L), nothing per
-token in Python). checks/positioned.py reads it against the keys each query sees.
+on the last axis). Each position p is encoded as angles p·f for the rotary frequencies f: the lowest frequency's angle,
+over f and times a linear scaling factor where the module states one, gives p without wrapping for any length a model
+holds. The frequencies are the `inv_freq` buffer of a module a program frame's `self` holds (the attention's, else the
+model's around it, as transformers keeps its rotary module); without one, only a table of position 0 alone (every cos 1,
+every sin 0: whatever the frequencies) is read. Read only at a cached step's call, on one column of the table (O(L),
+nothing per token in Python). checks/positioned.py reads it against the keys each query sees.
 """
 
 from __future__ import annotations
