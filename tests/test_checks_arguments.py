@@ -1137,3 +1137,38 @@ def test_transformers_token_classification_pipeline_batched_without_an_attention
     [hit] = check_bug(tmp_path, "transformers_token_classification_pipeline_batch_without_attention_mask",
                       "padding-ignored")
     assert tuple(hit["cell"]) == (0, 0, 7) and "pad id 0" in hit["message"], hit
+
+
+def test_hopsparser_bert_lexer_hands_bert_the_ids_alone(tmp_path):
+    """hopsparser 4e6e5c4 (written blind, blind-to; missed before tuning): BertLexer.forward is handed a NamedTuple
+    batch whose `encoding` is the tokenizer's BatchEncoding, and runs BERT on its input_ids alone. The batch object the
+    outermost call was handed states the padding (trace/padded.py reads the one tokenizer output it holds), so the
+    real queries that see the pads are padding-ignored. The fix hands BERT the mask. Both runs average the root word
+    over every subword, pads too (mean-over-padding: true of hopsparser as written, fix included)."""
+    name = "hopsparser_bert_lexer_padded_batch_without_attention_mask"
+    status, found, report = traced(tmp_path, name, False, BLIND)
+    lengths = [6, 20]  # (the short sentence's wordpieces and the batch's padded width)
+    hit = next(f for f in found if f["code"] == "padding-ignored")
+    assert tuple(hit["cell"])[:3] == (0, 0, lengths[0]) and "the attention_mask given to BertLexer" in hit["message"]
+    status, found, report = traced(tmp_path, name, True, BLIND)
+    assert sorted({f["code"] for f in found if f["severity"] == "wrong"}) == ["mean-over-padding"], report
+
+
+def test_a_dataclass_batch_whose_encoders_mask_is_left_behind_is_found(tmp_path):
+    """Written another way: a tagger's dataclass batch holds the tokenizer's dict (`encoding`) beside the labels;
+    nn.TransformerEncoder runs on its input_ids with no src_key_padding_mask. Reference: the first real query of the
+    first padded row and its first pad key, from the collated lengths."""
+    found = check_bug(tmp_path, "dataclass_batch_encoding_mask_left_behind", "padding-ignored", ARGS)
+    lengths, width = [6, 3, 4], 6
+    row = next(b for b, n in enumerate(lengths) if n < width)
+    hit = next(f for f in found if f["code"] == "padding-ignored")
+    assert tuple(hit["cell"])[:3] == (row, 0, lengths[row]) and "given to Tagger" in hit["message"]
+
+
+def test_paddlenlp_ernie_m_builds_its_default_mask_from_id_zero_not_its_pad_id(tmp_path):
+    """PaddlePaddle/PaddleNLP#4494 (written blind, blind-uf, caught before any rule changed for it): handed no mask,
+    ErnieMModel masked `input_ids == 0` while ERNIE-M pads with 1, so the right-padded row's pads were attended. The
+    program's `pad_token_id=1` states the padding; the fix masks it. Row 1 (5 real tokens) sees its first pad."""
+    found = check_bug(tmp_path, "paddlenlp_ernie_m_default_mask_from_token_zero_not_pad", "padding-ignored")
+    assert tuple(found[0]["cell"])[:3] == (1, 0, 5) and "pad id 1 of pad_token_id=1" in " ".join(
+        found[0]["message"].split())

@@ -107,3 +107,29 @@ def test_a_draft_tree_checked_by_a_longer_plain_pass_is_quiet(tmp_path):
     fewer keys than the check's and its own, so the cache the tree grows is not the check's."""
     status, found, report = traced(tmp_path, "draft_tree_checked_by_a_plain_pass_first", False, HERE)
     assert status == 0 and not [f for f in found if f["code"].startswith("positions-")], report
+
+
+def _first_key_at_or_after(cached: list[int], position: int) -> int:
+    """The reference: the first cached key column whose position is the query's or later (a token not before it)."""
+    return next(j for j, p in enumerate(cached) if p >= position)
+
+
+def test_tiny_llm_decode_offset_numbered_inside_the_prompt(tmp_path):
+    """skyzh/tiny-llm#65 (written blind, blind-tw; missed before tuning): the loop started at `offset = tokens.size`
+    and advanced by the sampled token's size, so the prompt of 10 was rotated at [10, 20) and the first decoded token
+    at 11. `offsets`, an int the attention's `__call__` was handed three frames out from its softmax helper
+    (trace/positionsat.py), states the queries' position. The fix (offset 0, advanced by each call's tokens) quiet."""
+    found = check_bug(tmp_path, "tinyllm_kv_cache_decode_offset_restarts_inside_prompt", "positions-inside-cache",
+                      BLIND)
+    prompt = 10
+    assert tuple(found[0]["cell"]) == (0, 0, _first_key_at_or_after(list(range(prompt, 2 * prompt)), prompt + 1))
+    assert f"is at position {prompt + 1} (offsets of Qwen2MultiHeadAttention.__call__)" in " ".join(
+        found[0]["message"].split())
+
+
+def test_an_mlx_ports_decode_offset_counting_generated_tokens_only_is_found(tmp_path):
+    """Written another way: plain classes with __call__ handed `offset`, a softmax helper of the port's own, a cache
+    grown by torch.cat; the loop hands each step the tokens generated so far, so the first generated token sits at 1
+    inside the prompt's 0..6. The fix (prompt length + generated) quiet."""
+    found = check_bug(tmp_path, "mlx_port_offset_counts_generated_tokens_only", "positions-inside-cache", HERE)
+    assert tuple(found[0]["cell"]) == (0, 0, _first_key_at_or_after(list(range(7)), 1))

@@ -406,6 +406,14 @@ _TRUE = {"fairseq_mha_prev_key_padding_mask_left_pad_prefix_beam": {("fully-mask
 # 7 no key (a NaN row), which layer 2 reads as keys and values (0 * NaN) and carries in `prev`, so that series' real
 # outputs are NaN; its check passed only because Python's max(0.0, nan) is 0.0. The finding that names it, and no other
 _WRONG = {"patchtst_key_padding_residual_attention": {"nan-spread"}}
+# correct programs on which a suspicion is still said, not yet ended (docs/checks.md names each): ExecuTorch's ring
+# cache (its key columns are ring slots, `cache_positions` not read, so a wrapped chunk's older slots read as later
+# keys and the window read backwards), torchaudio's Emformer (queries [right context | utterance] over keys
+# [memory | right context | left context | utterance]: no query sits at the end of the keys). Exactly these, no more
+_OPEN = {"quiet_executorch_ring_kv_cache_sliding_window_batched_chunked_prefill_decode": {
+    ("sees-later", "suspicious"), ("polarity", "suspicious")},
+    "quiet_torchaudio_emformer_left_context_right_context_padded_batch_and_streaming_infer": {
+    ("sees-later", "suspicious")}}
 _HF = {p.stem for p in QUIET_BLIND.glob("hf_*.py")} | {  # (built from transformers' classes, or importing it: skipped
     p.stem for p in QUIET_BLIND.glob("*.py") if imports_transformers(p)}
 
@@ -431,6 +439,9 @@ def test_no_alarm_on_correct_programs_written_blind(tmp_path, name):
     alarms = [f for g in data["groups"] for f in g["findings"] if f["severity"] in ("wrong", "suspicious")]
     if name in _WRONG:
         assert status == 1 and {f["code"] for f in alarms if f["severity"] == "wrong"} == _WRONG[name], report
+        return
+    if name in _OPEN:
+        assert status == 0 and {(f["code"], f["severity"]) for f in alarms} == _OPEN[name], report
         return
     if name in _TRUE:
         assert status == 0 and {(f["code"], f["severity"]) for f in alarms} == _TRUE[name] and "NaN weights" in report, report

@@ -11,6 +11,7 @@ import pytest
 from checkbugs import check_bug, first, traced
 
 HELD = Path(__file__).parent / "data" / "held"
+BLIND = Path(__file__).parent / "data" / "blind"
 QUIET = Path(__file__).parent / "data" / "quiet"
 
 
@@ -1347,3 +1348,35 @@ def test_fastplms_stack_switched_to_flex_blocks_keep_sdpa_unmasked(tmp_path):
     real = [2 + 26, 2 + 10]
     assert tuple(hit["cell"]) == first((2, 28, 28), lambda b, q, k: q < real[b] and k >= real[b])
     assert "the attention_mask given to ESMplusplusModel marks as padding" in " ".join(hit["message"].split())
+
+
+def test_diffusers_llada2_pipeline_drops_the_prompts_padding_mask(tmp_path):
+    """huggingface/diffusers#13598, fixed by #13698 (written blind, blind-tn, caught before any rule changed for it):
+    `_prepare_input_ids` returned the ids alone and `__call__` built an all-ones mask, so the bidirectional denoiser
+    attended the right-padded prompt's pads. The pipeline's own `attention_mask` (4 real tokens of row 1's 8 keys
+    in the first block window) says which keys are padding; the fix carries it through."""
+    found = check_bug(tmp_path, "diffusers_llada2_pipeline_prompt_padding_mask_dropped", "padding-unused")
+    real = 4  # (row 1's prompt tokens; the rest of the window its right padding)
+    b, q, k = tuple(found[0]["cell"])[:3]
+    assert (b, q) == (1, 0) and k >= real and f"a padding mask (1 = real) of {real} tokens" in " ".join(
+        found[0]["message"].split()), found[0]
+
+
+def test_transformers_janus_image_generation_left_pads_unmasked(tmp_path):
+    """huggingface/transformers#36053's review (written blind, blind-tv, caught before any rule changed for it): Janus's
+    image generation doubled the batch for classifier-free guidance and handed the language model no mask, so the
+    left-padded shorter prompt's pads fed every image token. The script's `attention_mask` holds the padding."""
+    found = check_bug(tmp_path, "transformers_janus_image_generation_left_pads_unmasked", "padding-unused")
+    assert "attention_mask in <module>()" in " ".join(found[0]["message"].split())
+
+
+def test_perturbgen_decoder_self_attention_attends_the_padded_genes(tmp_path):
+    """Lotfollahi-lab/Perturbgen#12, fixed by 427fdcd (written blind, blind-ty, caught before any rule changed for it):
+    the decoder's `tgt_mask` held only the genes picked for masking, so every query attended the right-padded gene
+    slots that `src_attention_mask` calls padding. Both runs keep upstream's cross-attention mask read the wrong way
+    round (True = real masked), which leaves a fully real context masked whole: fully-masked, true of the fix too."""
+    name = "perturbgen_tperturb_decoder_self_attention_pads_unmasked"
+    status, found, report = traced(tmp_path, name, False, BLIND)
+    assert "padding-unused" in {f["code"] for f in found if f["severity"] == "wrong"}, report
+    status, found, report = traced(tmp_path, name, True, BLIND)
+    assert {f["code"] for f in found if f["severity"] == "wrong"} == {"fully-masked"}, report

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from checkbugs import check_bug, first, traced
 
 MEMLEN = Path(__file__).parent / "data" / "memlen"
@@ -82,3 +84,18 @@ def test_a_memory_capped_at_mem_len_and_emptied_per_episode_is_quiet(tmp_path):
     is emptied at each new episode, and meets a shorter last segment: no finding."""
     status, found, report = traced(tmp_path, "episodic_memory_reset_and_capped_softmax", False, MEMLEN)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_model_re_lengthed_for_evaluation_is_held_to_the_memory_it_states_as_each_call_runs(tmp_path):
+    """NVIDIA's Transformer-XL (written blind, quiet-r128a) trains with mem_len equal to the segment and evaluates after
+    `reset_length(mem_len=...)`: the config read once the run is over holds the last length only, so each call is held
+    to `self.mem_len` as it ran. Written another way: the buggy update keeps the training length it copied, so the
+    evaluation's memory stays at one segment of 16 where the model now states 40; the fix grows it 0, 16, 32, 40."""
+    found = check_bug(tmp_path, "txl_relengthed_for_eval_memory_kept_at_train_length", "memory-not-kept", folder=MEMLEN)
+    train = [0, 16, 16, 16]  # (four training segments, mem_len 16: nothing dropped there)
+    with pytest.raises(AssertionError):
+        _first_dropped(train, 16, 16)
+    step, held, dropped = _first_dropped([0, 16, 16, 16, 16], 16, 40)
+    assert found[0]["message"].startswith(f"at step {len(train) + step} the segment's queries see {held} memory keys")
+    assert f"{dropped} keys the model states it keeps were dropped" in found[0]["message"]
+    assert "self.mem_len=40 of MemoryLM as this call ran" in found[0]["message"]

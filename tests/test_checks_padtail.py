@@ -137,3 +137,14 @@ def test_unsloth_vision_padding_side_set_on_the_processor_only(tmp_path):
     b, query, last = hit["cell"]
     assert (query, last) == (query, query - 1)  # (the first decode step sits right after the prompt's last column)
     assert f"the first decode step's query (position {query})" in " ".join(hit["message"].split())
+
+
+def test_mlperf_llama2_reference_sut_right_pads_its_batched_prompts(tmp_path):
+    """mlcommons/inference#1572 (fixes #1558; written blind, blind-ul, caught before any rule changed for it): the
+    Llama-2 reference SUT padded each batch's prompts on the right (`F.pad(..., (0, max_seq_len - input_len))`, eos
+    as the pad) and called generate, so a short prompt's first new token came from a pad slot. The fix pads left."""
+    found = check_bug(tmp_path, "mlperf_llama2_sut_offline_batch_right_padded_generate", "continued-from-padding")
+    lengths, width = [5, 8], 12  # (queries 1 and 2: 5 and 8 tokens padded to 12; query 0 fills the width)
+    message = " ".join(found[0]["message"].split())
+    assert f"batch row 1: the first decode step's query (position {width})" in message
+    assert f"not keys {lengths[0]}-{width - 1}" in message and f"padding query's output (position {width - 1})" in message

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 import numpy as np
 
-from checkbugs import check_bug, first
+from checkbugs import check_bug, first, traced
 from types import SimpleNamespace
 
 from maskcli.checks.positioned import _folded, _within
@@ -73,8 +73,6 @@ def test_lag_llama_decode_rotary_table_built_for_one_position(tmp_path):
     applied with position_ids=None, so the query and all 32 cached keys were rotated at position 0. The fix rotates q
     at position -1 of a table over the 32 keys. Both runs keep lag-llama#81's non-causal prefill (causal-lm-both-ways,
     true of both): the fix says nothing else wrong or suspicious."""
-    from checkbugs import traced
-
     name = "lag_llama_kv_cache_decode_rotary_positions_all_zero"
     status, found, report = traced(tmp_path, name, False)
     hits = [f for f in found if f["code"] == "positions-vs-keys" and f["severity"] == "wrong"]
@@ -103,8 +101,6 @@ def test_meta_llama_freqs_cis_sliced_from_zero_left_padded(tmp_path):
 def test_rotary_positions_from_the_mask_with_every_row_left_padded_are_quiet(tmp_path):
     """A transformers-style rotary module (inv_freq, one (cos, sin) row per batch row) fed cumsum positions, both rows
     left-padded (by 1 and 3): each decode query's table stops at the position its real keys count, per row."""
-    from checkbugs import traced
-
     status, found, report = traced(tmp_path, "quiet_rotary_position_ids_from_mask_all_rows_left_padded", False,
                                    POSITIONS)
     assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
@@ -136,8 +132,6 @@ def test_gptj_sincos_positions_restart_left_padded(tmp_path):
 def test_rerotated_rolling_cache_numbered_from_zero_is_quiet(tmp_path):
     """A rolling cache of unrotated keys re-rotated at 0..S-1 every step: positions restart at 0 yet reach as far as
     the keys count (the table read through inv_freq: its last position is the query's)."""
-    from checkbugs import traced
-
     status, found, report = traced(tmp_path, "quiet_sincos_rerotated_rolling_cache_positions_from_zero", False,
                                    POSITIONS)
     assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
@@ -196,7 +190,7 @@ def test_specforge_eagle3_ttt_steps_rotated_at_step_zero_positions(tmp_path):
     the queries see the keys they saw at the step before and their own key of the step just cached, yet are rotated
     at the same positions 0..47. Its fix (position_ids + lck) is quiet, suspicious findings included (the finfo.min
     causal + padding sum keeps each row's own key finite: fill-became-inf no longer says it)."""
-    from checkbugs import traced
+
 
     name = "specforge_eagle3_sdpa_ttt_rope_positions_not_offset_by_step"
     hit = check_bug(tmp_path, name, "positions-vs-keys")[0]
@@ -227,8 +221,6 @@ def test_hass_draft_block_keys_rotated_at_step_zero_positions(tmp_path):
 def test_chunked_prefill_and_decode_rotated_further_on_are_quiet(tmp_path):
     """A prompt in equal chunks over a growing cache, then decode steps, two layers at one call site: each step that
     grew the cache moved the rotary positions by as many keys (the reference: the program's own arange per chunk)."""
-    from checkbugs import traced
-
     status, found, report = traced(tmp_path, "chunked_prefill_two_layers_rope_offset_quiet", False, POSITIONS)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
 
@@ -277,8 +269,6 @@ def test_blip2_text_positions_after_cached_learned_queries_are_quiet(tmp_path):
     queries, which have no position, and numbers its text from 0 in BertModel.forward (`pos` for
     `position_embeddings`): a text query sees the queries' keys and its own, more keys than its position counts, by
     design. A table's positions may number some of the tokens only: nothing is said."""
-    from checkbugs import traced
-
     status, found, report = traced(tmp_path, "blip2_qformer_itc_itm_itg_masks", False,
                                    Path(__file__).parent / "data" / "quiet_blind")
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
@@ -328,8 +318,6 @@ def test_learned_positions_classifier_left_padded_without_position_ids(tmp_path)
 def test_a_library_generation_loop_that_numbers_a_left_padded_prompt_is_quiet(tmp_path):
     """transformers' generate calls WhisperForCausalLM on left-padded prompts and hands its decoder no position_ids:
     the library's numbering, not the program's call (tests/data/positions, correct as written)."""
-    from checkbugs import traced
-
     status, found, report = traced(tmp_path, "quiet_whisper_decoder_generate_left_padded_prompt", False, POSITIONS)
     assert status == 0 and [f for f in found if f["code"] == "positions-vs-keys"] == [], report
 
@@ -405,7 +393,7 @@ def test_a_diffusion_models_block_steps_over_a_dual_cache_are_quiet(tmp_path):
     step's block of queries sees the prefix, itself and the cached suffix after it (both ways), then each prompt alone.
     No count of keys measures a position at such a site, and a square prefill of the next prompt starts a new cache.
     The program checks itself against each prompt decoded alone."""
-    from checkbugs import traced
+
 
     folder = Path(__file__).parent / "data" / "quiet_blind"
     status, found, report = traced(tmp_path, "quiet_fast_dllm_dream_dual_cache_left_padded_block_diffusion", False, folder)
@@ -431,7 +419,7 @@ def test_image_tokens_sharing_one_position_decode_over_more_keys_than_positions(
     so a cached step's query sits at a position below the keys it sees; the model call states that position and the
     table holds it: quiet. The same program with the table built for the step's own token (position 0 only, the
     stated position 7 and after past it) is found, at the first key past the one position 0 can count."""
-    from checkbugs import traced
+
 
     name = "shared_image_position_cached_decode"
     status, found, report = traced(tmp_path, name, False, POSITIONS)
@@ -466,7 +454,7 @@ def test_a_multimodal_rope_step_rotated_below_its_key_count_is_no_lost_offset(tm
     model call states multimodal rope positions: the fix is quiet. (Its buggy second generate, which hands (1, B, L)
     text positions plus a stale offset, is still told positions-vs-keys, though the place it names, 14 or after, is
     not the right one, 11: kept in tests/data/blind.)"""
-    from checkbugs import traced
+
 
     name = "transformers_qwen2_vl_second_generate_reuses_stale_rope_deltas"
     status, found, report = traced(tmp_path, name, True, BLIND)
@@ -508,8 +496,6 @@ def test_multimodal_rope_positions_of_a_text_count_as_1d_ones(tmp_path):
     so the padded row's new token sat its 7 pads before the keys it sees. A text's positions (each token's t, h, w
     rows equal) count as 1-D ones. Written another way (tests/data/positions): a hand-written 3-row multimodal rope
     decoder whose decode step adds the deltas to `cumsum(mask) - 1`; its fix (`cache length + deltas`) quiet."""
-    from checkbugs import traced
-
     status, found, report = traced(tmp_path, "transformers_qwen2_5_vl_decode_positions_from_padded_cumsum_plus_rope_deltas",
                                    False, Path(__file__).parent / "data" / "blind")
     hits = [f for f in found if f["code"] == "positions-vs-keys"]
@@ -568,3 +554,42 @@ def test_qwen2_vl_prompt_tuning_decode_positions_from_a_missing_cache_position(t
                     "positions-vs-keys")[0]
     message = " ".join(hit["message"].split())
     assert tuple(hit["cell"][:2]) == (0, 0) and "sees 10 keys" in message and "no position past 0" in message, hit
+
+
+def _pad_starts(lengths: list[int], fixed: bool) -> list[int]:
+    """The reference: each left-padded row's first real token's position, the pads counted (x-transformers' sign bug:
+    arange + pads, so 2 * pads) or taken off (0)."""
+    width = max(lengths)
+    return [0 if fixed else 2 * (width - n) for n in lengths]
+
+
+def test_x_transformers_abs_pos_emb_offset_by_the_pads_is_found_in_the_table_it_reads(tmp_path):
+    """lucidrains/x-transformers 013e60a (written blind, blind-sw; missed before tuning: the positions are counted in
+    AbsolutePositionalEmbedding.forward, a frame gone before attention runs): `pos + seq_start_pos` where the fix takes
+    the pads off. The rows its table `pos_emb.emb` was read at (trace/tables.py, the table named by the module around
+    it) number each row itself, and the rows' first real tokens sit apart: row 1 (5 pads) at 10, row 0 at 0."""
+    hit = check_bug(tmp_path, "x_transformers_abs_pos_emb_left_pad_offset_sign", "positions-vs-keys", BLIND)[0]
+    starts = _pad_starts([8, 3, 5], fixed=False)
+    message = " ".join(hit["message"].split())
+    assert f"query 5 starts a sequence (it sees only itself, and the next query sees it) at position {starts[1]}" \
+        in message and "the program numbers each row itself" in message, hit
+    assert tuple(hit["cell"]) == (1, 5, 5)
+
+
+def test_a_position_module_that_adds_each_rows_pad_count_is_found(tmp_path):
+    """Written another way: a reward model's `positional_embedding` module (its table named `table`) counts positions
+    from the attention_mask in its own forward, adding each row's pad count where the fix counts the mask; SDPA with a
+    boolean causal & padding mask. Row 1 (4 pads) starts at 8, row 0 (none) at 0; the fix starts every row at 0."""
+    hit = check_bug(tmp_path, "reward_model_position_module_adds_pad_count", "positions-vs-keys", POSITIONS)[0]
+    starts = _pad_starts([8, 4, 6], fixed=False)
+    message = " ".join(hit["message"].split())
+    assert f"batch row 1: query 4 starts a sequence" in message and f"at position {starts[1]}" in message, hit
+
+
+def test_vllm_cpu_backend_prompts_run_before_the_decodes_they_follow_are_no_finding(tmp_path):
+    """vllm-project/vllm#27035's fix (written blind, blind-ub): the CPU backend's prompt calls run before the decode
+    kernel, while the batch's positions hold the decode tokens first. A per-request split laid over the calls in call
+    order put a decode's position on a prompt's first token; each request's slice must rise one by one, else the
+    calls are not in the tokens' order and no split is read."""
+    status, found, report = traced(tmp_path, "vllm_cpu_sdpa_mixed_batch_prefill_reads_decode_rows", True, BLIND)
+    assert status == 0 and not [f for f in found if f["severity"] == "wrong"], report

@@ -13,6 +13,7 @@ from checkbugs import check_bug
 from maskcli.checks.registry import severity
 
 RELBIAS = Path(__file__).parent / "data" / "relbias"
+BLIND = Path(__file__).parent / "data" / "blind"
 
 BUGS = [
     # TransformerLensOrg/TransformerLens#777 (commit d9792a9, blind-dc): AbstractAttention.forward slices ALiBi as
@@ -49,6 +50,27 @@ def test_alibi_chunked_prefill_queries_numbered_from_zero(tmp_path):
     full, given = -3 * slope, -slope * abs(4 - 3) + slope * abs(7 - 3)
     assert len(hits) == 1 and f"head 0: {full:g} at distance -3" in hits[0]["message"], hits
     assert f"it adds {given:g} there" in hits[0]["message"] and "queries at 4..7 of 8 keys" in hits[0]["message"]
+
+
+def test_deep_training_baichuan_alibi_sliced_on_the_key_axis_at_decode(tmp_path):
+    """ssbuild/deep_training 54a9d1b (written blind, blind-tx; missed before tuning: trace/posbias.py read no addend of
+    one value for every key): `attention_mask[:, :, -seq_length:]` kept the last key column, so each cached decode step
+    added a (heads, 1, 1) bias, the same to every key. The prefill states ALiBi (slope * (k - q)); the step adds 0 at
+    every distance. The fix (the query axis sliced) quiet."""
+    hits = check_bug(tmp_path, "deep_training_baichuan13b_decode_alibi_sliced_on_key_axis", "position-bias-misplaced",
+                     BLIND)
+    assert len(hits) == 1 and "(its query at position 12 of 13 keys) it adds 0 there" in " ".join(
+        hits[0]["message"].split()), hits
+
+
+def test_an_alibi_bias_cut_to_its_corner_cell_at_decode_adds_no_distance(tmp_path):
+    """Written another way: the bias built (heads, L, L) with -inf past each query, SDPA-free eager scores, a cache of
+    torch.cat; at decode `bias[:, -1:, -1:]` (the new query's own cell) is broadcast over the keys. The reference, from
+    ALiBi's definition: head 0's slope is 2 ** (-8 / 4), its bias at distance -8 is -8 times that."""
+    hits = check_bug(tmp_path, "alibi_decode_bias_cut_to_its_corner_cell", "position-bias-misplaced", RELBIAS)
+    slope = 2 ** (-8 / 4)
+    message = " ".join(hits[0]["message"].split())
+    assert len(hits) == 1 and f"head 0: {-8 * slope:g} at distance -8" in message and "adds 0 there" in message, hits
 
 
 def _alibi_program(rows_of_last: bool, bloom_style: bool):

@@ -297,6 +297,17 @@ def test_layers_of_the_prompt_in_one_loop_over_a_static_buffer_are_not_decode_st
     assert status == 0 and "top-left-mask" not in [f["code"] for f in found], report
 
 
+def test_a_decode_from_an_empty_buffer_after_training_passes_is_no_top_left_mask(tmp_path):
+    """t5x's examples (written blind, quiet-r123a): the site's first calls are square training passes, then a decode
+    loop fills a buffer of zeros from slot 0 (`arange(length) <= cur_index`): its first step sees key 0 alone, and the
+    next sees keys 0 and 1 over the same buffer, so its query sits at slot 0. The same loop whose index is never written
+    back sees slot 0 alone at every step: a top-left mask."""
+    folder = Path(__file__).parent / "data" / "staticbuf"
+    found = check_bug(tmp_path, "decoder_trained_then_decodes_into_zero_buffer_index_not_advanced", "top-left-mask",
+                      folder)
+    assert "query 7 sees keys 0..0 only" in found[0]["message"]
+
+
 def _window_loop(cells, own, keys, queries):
     """The reference: W where every real query of every row and head sees exactly the W keys up to its own (from its
     row's first real key on) and some real query's first key is after its row's first real key; else None."""

@@ -29,6 +29,24 @@ def test_an_additive_mask_over_ordinary_scores_is_read_by_zero_weights_and_hides
     assert torch.equal(masked, (real == 0)[:, None, None, :].expand(2, 2, 5, 5))
 
 
+def test_a_row_an_additive_mask_lowers_everywhere_is_read_masked_whole():
+    """t5x's `where(mask > 0, 0, -1e10)` plus a relative bias: a target padding query's row is -1e10 at every key, so
+    softmax spreads its weight over all of them; read as a finite fill's row filled everywhere is, masked whole (the
+    causal rows beside it by their zero weights). Reference: the causal & real-target cells written here."""
+    real = torch.tensor([[1, 1, 1, 0, 0]])
+    keep = torch.ones(5, 5).tril().bool()[None] & real[:, :, None].bool() & real[:, None, :].bool()
+    bias = torch.randn(1, 2, 5, 5, dtype=torch.float64)  # (a relative-position bias: in float64, as t5x's example
+    scores = torch.randn(1, 2, 5, 5, dtype=torch.float64) + torch.where(keep[:, None], 0.0, -1e10) + bias  # ran, the
+    # masked row's scores keep it, no one constant)
+    masked, details = _read(scores)
+    assert details.get("additive")
+    assert torch.equal(masked, ~keep[:, None].expand(1, 2, 5, 5))
+    # a plane lowered at every row (an MSA's padding sequence, OpenFold's) stays shifted whole: read by zero weights
+    padding = torch.randn(1, 2, 5, 5, dtype=torch.float64) - 1e10
+    masked, _ = _read(torch.cat([scores, padding]))
+    assert torch.equal(masked[0], ~keep[0, None].expand(2, 5, 5)) and not masked[1].any()
+
+
 def test_scores_far_apart_hide_cells_of_their_own():
     """Scores ±1e5 apart: softmax zeroes real cells no mask lowered (a cell whose own score is above any fill), said as
     scores_hide with the largest score's magnitude; the cells read are still softmax's zero weights."""

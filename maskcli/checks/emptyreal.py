@@ -53,8 +53,10 @@ def real_but_empty(call, stored: dict, empty: np.ndarray) -> tuple[int, int, str
     for held in helds:
         rows = held.get("rows")
         if held.get("kind") not in ("keep", "pad") or not isinstance(rows, np.ndarray) or rows.dtype != bool \
-                or rows.ndim != 2 or rows.shape[1] != cells.shape[3] or cells.shape[0] not in (1, rows.shape[0]):
-            continue  # (a mask stored once for the batch, every row's the same: read against each row's padding)
+                or rows.ndim != 2 or rows.shape[1] != cells.shape[3] or cells.shape[0] not in (1, rows.shape[0]) \
+                or call.shape[0] != rows.shape[0]:
+            continue  # (a mask stored once for the batch, every row's the same: read against each row's padding; a
+            # call over fewer rows than the padding held, a pipeline's micro-batch, is not over those rows)
         real = rows if held["kind"] == "keep" else ~rows
         sees = np.broadcast_to(seen, (rows.shape[0], *seen.shape[1:]))
         nothing = ~np.broadcast_to(cells.any(axis=3).any(axis=1), rows.shape)  # (b, Lq): no key in any head

@@ -41,7 +41,7 @@ def over_memory(run: Run) -> list:
         said = [one for one in top.stated if FIELD in one.fields]
         if not said:
             continue
-        length, source, scope = said[0].fields[FIELD], said[0].source, said[0].fields.get("mem_scope") or ""
+        length, source, scope = _length(top, said[0])
         done = set()
         for call in run.made_by(top):
             q_len, k_len = call.shape[2], call.shape[3]
@@ -68,6 +68,17 @@ def over_memory(run: Run) -> list:
     return found
 
 
+def _length(top, said) -> tuple:
+    """(mem_len, its source, the scope it speaks for) of a model call: the outermost module's own as the call ran
+    (trace/memslots.memory_length), where the config read after the run is that module's and says otherwise (a model
+    re-lengthed for evaluation); else the config's."""
+    length, source, scope = said.fields[FIELD], said.source, said.fields.get("mem_scope") or ""
+    then = top.arguments.get(FIELD)
+    if isinstance(then, int) and then != length and not scope:
+        return then, f"self.{FIELD}={then} of {top.where} as this call ran", scope
+    return length, source, scope
+
+
 def memory_not_kept(run: Run) -> list:
     """Calls under a module stating `mem_len` whose memory (the keys before the segment, the queries the last keys)
     holds fewer keys than the model keeps: after a call of M memory keys and a segment of L at the same site, the
@@ -80,7 +91,7 @@ def memory_not_kept(run: Run) -> list:
         said = [one for one in top.stated if FIELD in one.fields]
         if not said:
             continue
-        length, source, scope = said[0].fields[FIELD], said[0].source, said[0].fields.get("mem_scope") or ""
+        length, source, scope = _length(top, said[0])
         if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
             continue
         sites: dict = {}

@@ -41,6 +41,7 @@ import numpy as np
 from maskcli.checks.context import Run, keep
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
+from maskcli.checks.startsat import looked_up, starts
 from maskcli.checks.renumbered import extra_keys, follows, mark, why as renumbered
 from maskcli.text import Finding
 
@@ -99,7 +100,11 @@ def _placed(calls: list, positions: np.ndarray) -> list:
         return found
     if rows == 1 and len(calls) > 1 and sum(lens) == length and all(call.shape[0] == 1 for call in calls):
         starts = np.cumsum([0] + lens)  # one call per request, their tokens one after the other (a ragged batch)
-        return [(call, np.array([i]), positions[:, starts[i]:starts[i + 1]]) for i, call in enumerate(calls)]
+        laid = [positions[:, starts[i]:starts[i + 1]] for i in range(len(calls))]
+        if any((np.diff(each, axis=1) != 1).any() for each in laid):
+            return []  # (a request's new tokens follow one another: a slice that does not was laid over another call,
+            # the calls made in another order than the tokens, vLLM's CPU backend: prompts first, its decodes ahead)
+        return [(call, np.array([i]), laid[i]) for i, call in enumerate(calls)]
     return []
 
 
@@ -274,47 +279,20 @@ def _stepped(run: Run, done: set) -> list:
     return found
 
 
-def _starts(call, seen, placed, placed_at, source: str) -> Finding | None:
-    """A prefill's queries that start a sequence (each sees only itself, and the query after it sees it and itself)
-    must sit at one position, wherever their row's padding or earlier packed samples put them: with positions looked up
-    in a table, the same text is embedded differently by where its batch put it (OpenRLHF#217's left-padded rows
-    scored without position_ids; LlamaFactory#7318's packed samples numbered on from the sample before). Asked only
-    where the model takes positions and the program's call handed it none (trace/positionsat.py's unhanded): a forward
-    that takes none numbers its columns by its own statement (a hand-written GPT's `arange`), and a library's
-    generation loop that hands none (BART's, Whisper's decoder prompts) is the library's numbering, not the program's."""
-    batch, _, q_len, k_len = call.shape
-    if q_len != k_len or q_len < 2:
-        return None
-    counts = seen.sum(axis=2)
-    follows = np.zeros_like(placed)
-    follows[:, :-1] = placed[:, 1:] & (counts[:, 1:] == 2) & seen[:, np.arange(1, q_len), np.arange(q_len - 1)]
-    starts = np.argwhere(placed & (counts == 1) & follows)
-    if len(starts) < 2:
-        return None
-    at = placed_at[starts[:, 0], starts[:, 1]]
-    if at.min() == at.max():
-        return None
-    (b0, j0), (b, j) = starts[int(np.argmin(at))], starts[int(np.argmax(at))]
-    p0, p = int(at.min()), int(at.max())
-    return Finding("positions-vs-keys", (
-        f"batch row {b}: query {j} starts a sequence (it sees only itself, and the next query sees it) at position {p}, "
-        f"where batch row {b0}'s query {j0} starts one at {p0}: looked up in a table of positions, the same tokens are "
-        f"embedded by where the batch put them, counting {p - p0} tokens before them they do not see (left padding or "
-        f"an earlier packed sample): the model takes position_ids and the call handed none"), expected=f"position {p0}", source=source,
-        cell=(int(b), int(j), int(j)))
-
-
 def check(run: Run) -> list:
     """Each self-attention call of a model call that states positions, against the keys its queries see."""
     found, last, counted, done = [], {}, {}, set()
     found += _rotated(run, done)
     found += _stepped(run, done)
     for top in run.tops:
-        handed = _positions(top) or _text_rope(top) or _held(run.made_by(top))
+        handed = _positions(top) or _text_rope(top)
+        table = handed is None  # (the positions its forward looked up in its own table: _held, _looked_up)
+        handed = handed or _held(run.made_by(top)) or looked_up(top)
         if handed is None:
             continue
         name, positions, unhanded = (*handed, False)[:3]
-        table = " held by " in name  # (the positions its forward looked up in its own table: _held)
+        apart = table and positions.shape[0] > 1 and bool((positions != positions[:1]).any())  # (rows numbered each its
+        # own way, looked up in a table: a rotary model's row shifted whole is the same text, CogVLM's left-padded rows)
         sites: dict = {}
         for call in run.made_by(top):
             sites.setdefault(call.where, []).append(call)
@@ -329,7 +307,10 @@ def check(run: Run) -> list:
                     continue  # cached suffix after it; no count of keys measures a position there, Fast-dLLM's)
                 counts = seen.sum(axis=2)
                 source = name if table else f"{name} of {top.where}"
-                start = _starts(call, seen, placed, placed_at, source) if unhanded and where not in done else None
+                row = top.arguments.get("table_padding_row") if table else None  # (tokens at the table's padding
+                real = placed if row is None else placed & (placed_at != row)  # row are its pads: SASRec's)
+                start = starts(call, seen, real, placed_at, source, unhanded) \
+                    if (unhanded or apart) and where not in done else None
                 if start is not None:
                     done.add(where)
                     found.append((call, start))

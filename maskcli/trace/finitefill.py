@@ -22,7 +22,9 @@ def finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Ten
     """The cells a finite fill masks (masked_fill(mask == 0, -1e9), the Annotated Transformer's): values at most -1e4
     (not -inf, not the dtype's lowest) that are all one exact constant are a fill, and the cells equal to it masked.
     Several such values are an additive mask added to the scores (BERT's (1 - mask) * -10000 + score): no cell equals
-    a fill, so the cells are read as masked where softmax gives them weight exactly 0, as the program computes."""
+    a fill, so the cells are read as masked where softmax gives them weight exactly 0, as the program computes, and a
+    row lowered everywhere (each of its scores -5000 or less) beside one that is not as masked whole, as a row filled
+    everywhere is."""
     near = (scores <= FILL_AT_MOST / 2) & (scores != lowest) & torch.isfinite(scores)  # (-1e4 + a score: either side;
     low, values = near & (scores <= FILL_AT_MOST), scores[near]  # an additive mask's cells may all sit above -1e4)
     if not len(values):
@@ -38,6 +40,11 @@ def finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Ten
         return low
     details["additive"] = True  # (-10000 + a score may sit just above -1e4: every cell's weight decides)
     zero = torch.softmax(scores, dim=-1) == 0
+    whole = (near | ~torch.isfinite(scores) | (scores == lowest)).all(dim=-1, keepdim=True)
+    if scores.dim() >= 2:  # (only beside a row of the same plane it does not lower whole: a plane lowered everywhere,
+        whole = whole & ~whole.all(dim=-2, keepdim=True)  # an MSA's padding sequence, OpenFold's, stays shifted whole)
+    if bool(whole.any()):  # (a row the mask lowers everywhere is shifted as a whole: uniform weights over every key,
+        zero = zero | whole  # read as a finite fill's row filled everywhere is, masked: t5x's target padding rows)
     if bool((zero & (scores > FILL_AT_MOST / 2)).any()):  # (a weight of 0 on a score no fill lowered)
         finite = scores[torch.isfinite(scores) & (scores != lowest)]
         details["scores_hide"] = float(finite.abs().max())

@@ -42,3 +42,11 @@ def memory_slots(given: dict) -> dict:
             if (zero == ~valid).all():
                 return {"memory_slots": (name, valid, other)}
     return {}
+
+
+def memory_length(module) -> dict:
+    """{"mem_len": int}: the outermost module's own `mem_len` as this call ran (checks/memlen.py), where it holds one: a
+    model re-lengthed between training and evaluation (NVIDIA's Transformer-XL `reset_length`, written blind as
+    quiet-r128a) states another memory at each, and the configs read once the run is over hold its last."""
+    value = vars(module).get("mem_len")
+    return {"mem_len": value} if type(value) is int and value > 0 else {}

@@ -220,12 +220,14 @@ class Outer:
             self._local.outer = None
         from maskcli.trace.later import later
         from maskcli.trace.tops import top
+        from maskcli.trace.memslots import memory_length
         from maskcli.trace.tables import table_positions
 
         losses, self._local.losses = getattr(self._local, "losses", None), None  # (its own loss: trace/losses.py)
         where = self.sites.shown(module)
         rewrites(self).drop(id(held))  # (what it was handed, let go where its end was not seen: trace/rewritten.py)
-        kept = {**(kept or {}), **table_positions(module, self._local)}  # (the rows its table of positions was read at)
+        kept = {**(kept or {}), **table_positions(module, self._local), **memory_length(module)}  # (the rows its
+        # table of positions was read at; its memory length as it ran)
         if "output_rows" not in kept and forward is not None:  # (a first call whose return was not seen: its
             kept.update(outrows.returned_rows(forward))  # forward's locals as it returned, outrows.py)
         try:  # (the program's objects read: a config whose attribute access raises must not reach it)

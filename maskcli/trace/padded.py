@@ -129,9 +129,12 @@ def batch_object(signature, given: dict) -> dict:
     """{first argument's name: its padded tensor, "lengths": each row's length} where a model call's first argument is
     a batch object holding both as attributes (pytorch-lifestream's PaddedBatch: `payload`, a tensor or a dict of one per
     feature, and `seq_lens`), read statically (checks/configread.read: never the object's __getattr__); {} else, or
-    where the call is handed lengths by name."""
+    where the call is handed lengths by name. Or the fields of a tokenizer's output that such an object (a NamedTuple,
+    a dataclass) holds (_encoding)."""
     name = next((n for n in signature.parameters if n != "self"), None) if signature is not None else None
     held = given.get(name)
+    if held is not None and "input_ids" not in given and (encoded := _encoding(held)):
+        return encoded
     if held is None or isinstance(held, (torch.Tensor, Mapping, list, tuple, str, int, float)) \
             or any(issubclass(type(given.get(n)), torch.Tensor) for n in LENGTHS):
         return {}
@@ -143,3 +146,25 @@ def batch_object(signature, given: dict) -> dict:
     payload = next((v for v in (held.values() if isinstance(held, dict) else (held,))  # per feature, ptls's records)
                     if issubclass(type(v), torch.Tensor) and v.dim() >= 2 and v.shape[0] == lengths.shape[0]), None)
     return {} if payload is None else {name: payload, "lengths": lengths}
+
+
+ENCODED = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def _encoding(held) -> dict:
+    """{"input_ids": (B, L), and its "attention_mask", "token_type_ids" where held}: the fields of the one tokenizer's
+    output (a BatchEncoding, a dict of its names) that a batch object the model call was handed holds as an attribute
+    (hopsparser's BertLexerBatch, a NamedTuple of its `encoding` and the subword alignments: the batch states its
+    padding, whatever the model inside is handed); {} else. Read statically, one level deep."""
+    if isinstance(held, tuple) and hasattr(type(held), "_fields"):
+        values = [read(held, field) for field in type(held)._fields]
+    elif isinstance(held, (torch.Tensor, Mapping, list, tuple, str, int, float)):
+        return {}
+    else:
+        values = list(getattr(held, "__dict__", {}).values())[:BATCH_FIELDS]
+    encodings = [v for v in values if isinstance(v, Mapping) and issubclass(type(v.get("input_ids")), torch.Tensor)
+                 and v["input_ids"].dim() == 2]
+    if len(encodings) != 1:
+        return {}
+    return {name: encodings[0][name] for name in ENCODED if issubclass(type(encodings[0].get(name)), torch.Tensor)}
+

@@ -21,15 +21,16 @@ ADDENDS = 3  # float tensors carried per scores tensor at most
 
 
 def addend(args: tuple, scores: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
-    """The other operand of scores + bias where it is a float tensor over (Lq or 1, Lk) that broadcasts to the sum, and
-    holds a plane per head where it has a head axis (a mask over (B, 1, Lq, Lk), as HF's eager paths add, is no bias:
-    not read)."""
+    """The other operand of scores + bias where it is a float tensor over (Lq or 1, Lk or 1) that broadcasts to the sum,
+    and holds a plane per head where it has a head axis (a mask over (B, 1, Lq, Lk), as HF's eager paths add, is no
+    bias: not read). One value a query row for every key is a bias too, of no distance (deep_training's Baichuan
+    sliced its ALiBi on the key axis at decode: a (heads, 1, 1) column added, the distances lost)."""
     if len(args) != 2:  # (add(x, y, alpha=...): not a plain sum)
         return None
     other = args[1] if args[0] is scores else args[0]
     if not isinstance(other, torch.Tensor) or other is scores or not other.is_floating_point() or other.dim() < 2 \
             or other.dim() >= 3 and other.shape[-3] == 1 < out.shape[-3] \
-            or other.shape[-1] != out.shape[-1] or other.shape[-2] not in (1, out.shape[-2]) \
+            or other.shape[-1] not in (1, out.shape[-1]) or other.shape[-2] not in (1, out.shape[-2]) \
             or other.device.type == "meta" or other.numel() > MOST:
         return None
     return other.detach()

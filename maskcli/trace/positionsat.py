@@ -27,10 +27,10 @@ import maskcli.trace.held as held_module
 import maskcli.trace.mropeused as mropeused
 
 NAMES = ("position_ids", "positions", "pos_ids", "pos")
-STARTS = ("start_pos", "input_pos", "position", "pos", "seqlen_offset")  # an int parameter: the first query's position
+STARTS = ("start_pos", "input_pos", "position", "pos", "seqlen_offset", "offset", "offsets")  # an int parameter: the first query's position
 OFFSETS = ("seqlen_offset",)  # a local too: the tokens before the queries, as the function read them off its cache
 # (fla's attention layers, `seqlen_offset = past_key_values.get_seq_length(self.layer_idx)`, no loop counts with it)
-FRAMES = 2  # the attention's function and the one that called it
+FRAMES = 3  # the attention's function, the one that called it and its caller (a softmax helper of its own: tiny-llm's)
 POSITION = re.compile(r"^(?:wpe|pos_?emb\w*|\w*position\w*|embed_pos\w*)$", re.I)
 _EMBEDS: dict = {}  # id(module) -> (weakref to it, whether it holds a position table)
 _ACCEPTS: dict = {}  # forward's function -> the place of its positions parameter, -1 for none (_accepts)
@@ -105,6 +105,9 @@ def _frames(walked):
     then of that module's forward where it is not one of them (a library's too: transformers' GPT2Model.forward, found
     on the way out from the attention to the module's call)."""
     inner = [frame for frame, _ in walked.held[:FRAMES]]
+    outside = _outside_handed(walked)
+    if outside:  # (the program's frames around a model call it handed positions: their own, not the model's)
+        inner = [frame for frame in inner if id(frame) not in outside]
     outer, call = _outer(walked) if walked.calls else (None, None)
     for frame in inner:
         yield frame, outer is not None and frame.f_code.co_name == "forward" and frame.f_locals.get("self") is outer
@@ -117,6 +120,25 @@ def _frames(walked):
         frame = frame.f_back
     if found is not None and all(found is not f for f in inner):
         yield found, True
+
+
+def _outside_handed(walked) -> set:
+    """ids of the frames outside the outermost module call where that call was handed positions (a tensor by one of
+    NAMES): a loop around it may hold other ones (lerobot's pi0+FAST keeps its 0-indexed prefix positions and hands
+    PaliGemma the 1-indexed ones its prepare_inputs_for_generation makes); empty where it was handed none."""
+    frame = next((f for f in reversed(walked.calls) if f.f_code is _CALL_IMPL), None) if walked.calls else None
+    if frame is None:
+        return set()
+    module, args = frame.f_locals.get("self"), frame.f_locals.get("args", ())
+    kwargs = frame.f_locals.get("kwargs") or {}
+    at = _accepts(module.forward) if isinstance(module, torch.nn.Module) else None
+    handed = any(type(kwargs.get(name)) is torch.Tensor for name in NAMES) \
+        or at is not None and len(args) > at and type(args[at]) is torch.Tensor
+    found, frame = set(), frame.f_back if handed else None
+    while frame is not None and len(found) < 64:
+        found.add(id(frame))
+        frame = frame.f_back
+    return found
 
 
 def _library(filename: str) -> bool:

@@ -46,8 +46,10 @@ def watched(trace) -> dict:
 
 
 def table(module) -> torch.Tensor | None:
-    """The weight of the model's one table of absolute positions, by its name or its rows (the positions its config
-    allows, or 2 more: OPT's, BART's offset) and not the vocabulary's; None with none or more than one. Read once."""
+    """The weight of the model's one table of absolute positions, by its name or the name of the module that holds it
+    (x-transformers' `pos_emb.emb`: an AbsolutePositionalEmbedding around its nn.Embedding) or its rows (the positions
+    its config allows, or 2 more: OPT's, BART's offset) and not the vocabulary's; None with none or more than one.
+    Read once."""
     try:
         return _TABLES[module]()
     except (KeyError, TypeError):
@@ -61,7 +63,7 @@ def table(module) -> torch.Tensor | None:
         tokens = None
     found = [each.weight for name, each in module.named_modules() if isinstance(each, torch.nn.Embedding)
              and "relative" not in name and each is not tokens
-             and (NAMES.match(name.rsplit(".", 1)[-1]) or each.num_embeddings != vocab
+             and (any(NAMES.match(part) for part in name.split(".")[-2:]) or each.num_embeddings != vocab
                   and each.num_embeddings in {*limits, *(v + 2 for v in limits)})]
     weight = found[0] if len(found) == 1 else None
     try:
@@ -72,12 +74,17 @@ def table(module) -> torch.Tensor | None:
 
 
 def table_positions(module, local) -> dict:
-    """{"table_positions": the indices the model's table was last read at} of the call just finished, taken from what
-    the reader kept for this thread (each lookup read once: the next call of the model reads its own)."""
+    """{"table_positions": the indices the model's table was last read at, "table_padding_row": the table's padding_idx
+    where it keeps one} of the call just finished, taken from what the reader kept for this thread (each lookup read
+    once: the next call of the model reads its own)."""
     held = local.__dict__.get("tables")
     try:
         weight = table(module) if held else None
     except Exception:  # noqa: BLE001 - a program's module that cannot be walked: no table read
         return {}
     found = None if weight is None else held.pop(id(weight), None)
-    return {} if found is None else {"table_positions": found}
+    if found is None:
+        return {}
+    row = next((each.padding_idx for each in module.modules() if isinstance(each, torch.nn.Embedding)
+                and each.weight is weight), None)  # (its padding row: SASRec's pads take position 0, a zero row)
+    return {"table_positions": found, **({} if row is None else {"table_padding_row": int(row)})}

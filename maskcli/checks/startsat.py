@@ -1,0 +1,68 @@
+"""Where a model call's sequences start, in the positions it states (positions-vs-keys, checks/positioned.py).
+
+A prefill's query that starts a sequence (it sees only itself, and the next query sees it and itself) sits at the
+first position of that sequence, wherever its row's padding or an earlier packed sample put it: two starts of one
+call placed apart embed the same tokens two ways. Read where the program left its model to number the tokens by
+column (the model takes position_ids and was handed none), or where it numbered each row itself (positions that differ
+from row to row). The positions are the ones the call states, or those its one table of absolute positions was read
+at (trace/tables.py's `table_positions`: x-transformers' AbsolutePositionalEmbedding counts them in a forward whose
+frame is gone before attention runs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.text import Finding
+
+
+def looked_up(top) -> tuple[str, np.ndarray, bool] | None:
+    """(its name, int64 (rows, L), False) of the rows a model call's one table of absolute positions was read at
+    (trace/tables.py: x-transformers' AbsolutePositionalEmbedding counts them in its own forward, gone before any
+    attention runs; BART's offset of 2 left in), or None."""
+    read = top.arguments.get("table_positions")
+    if not isinstance(read, np.ndarray) or read.ndim != 2 or not read.size or read.dtype.kind not in "iu":
+        return None
+    return "the rows its table of positions was read at", read.astype(np.int64), False
+
+
+def starts(call, seen, placed, placed_at, source: str, unhanded: bool) -> Finding | None:
+    """A prefill's queries that start a sequence (each sees only itself, and the query after it sees it and itself)
+    must sit at one position, wherever their row's padding or earlier packed samples put them: with positions looked up
+    in a table, the same text is embedded differently by where its batch put it (OpenRLHF#217's left-padded rows
+    scored without position_ids; LlamaFactory#7318's packed samples numbered on from the sample before). Asked only
+    where the model takes positions and the program's call handed it none (trace/positionsat.py's unhanded): a forward
+    that takes none numbers its columns by its own statement (a hand-written GPT's `arange`), and a library's
+    generation loop that hands none (BART's, Whisper's decoder prompts) is the library's numbering, not the program's;
+    or where the positions differ from row to row: the program placed each row's tokens itself, so one row's first
+    start placed apart from another's contradicts its own numbering (x-transformers 013e60a added each left-padded
+    row's pad count to its positions where it meant to take it off); a later start in a row is a chunk's (Llama 4's
+    chunked layers) or a packed sample's, not compared."""
+    batch, _, q_len, k_len = call.shape
+    if q_len != k_len or q_len < 2:
+        return None
+    counts = seen.sum(axis=2)
+    follows = np.zeros_like(placed)
+    follows[:, :-1] = placed[:, 1:] & (counts[:, 1:] == 2) & seen[:, np.arange(1, q_len), np.arange(q_len - 1)]
+    starts = np.argwhere(placed & (counts == 1) & follows)
+    if not unhanded:  # (rows numbered apart: some column real in two rows at two positions, not a numbering of the
+        both = placed[:, None, :] & placed[None, :, :]  # columns with the pads zeroed, SASRec's; then each row's
+        if not (both & (placed_at[:, None, :] != placed_at[None, :, :])).any():  # first start alone, its sequence's;
+            return None  # a later one in the row
+        starts = starts[np.r_[True, starts[1:, 0] != starts[:-1, 0]]] if len(starts) else starts  # is a chunk's,
+        # Llama 4's chunked layers, or a packed sample's, numbered on by its row's own statement)
+    if len(starts) < 2:
+        return None
+    at = placed_at[starts[:, 0], starts[:, 1]]
+    if at.min() == at.max():
+        return None
+    (b0, j0), (b, j) = starts[int(np.argmin(at))], starts[int(np.argmax(at))]
+    p0, p = int(at.min()), int(at.max())
+    return Finding("positions-vs-keys", (
+        f"batch row {b}: query {j} starts a sequence (it sees only itself, and the next query sees it) at position {p}, "
+        f"where batch row {b0}'s query {j0} starts one at {p0}: looked up in a table of positions, the same tokens are "
+        f"embedded by where the batch put them, counting {p - p0} tokens before them they do not see (left padding or "
+        f"an earlier packed sample): " + ("the model takes position_ids and the call handed none" if unhanded else
+                                          "the program numbers each row itself, and puts these starts apart")),
+        expected=f"position {p0}", source=source,
+        cell=(int(b), int(j), int(j)))
