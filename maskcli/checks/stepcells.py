@@ -1,12 +1,13 @@
 """How a decode step's cells stand against its prefill's (checks/steps.py's padding-lost and window-lost): a window moved
 as one run or keys picked one by one, each query's own key seen where the step is placed, a prefill's padding held
-at columns shifted past the step's own block, and whether any query reaches `window` keys back."""
+at columns shifted past the step's own block, and whether any query reaches `window` keys back; and (top-left-mask's)
+whether the site's next step fills on the same fixed buffer."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import runs
+from maskcli.checks.context import keep, runs
 
 
 def windowed(later: np.ndarray, own: np.ndarray, padded, written, window: int) -> np.ndarray:
@@ -65,3 +66,17 @@ def reaches_back(call, later: np.ndarray, own: np.ndarray, window: int) -> bool:
         return bool((later & (np.arange(later.shape[-1]) <= own[:, None] - window)).any())
     starts, ends = found
     return bool(((starts < ends) & (starts <= own - window)).any())
+
+
+def filling(run, call, cells: np.ndarray) -> bool:
+    """The site's next call of the same shape is the next step over the same fixed buffer: its first query sees every
+    key this call's last query sees and one more (its own slot, written since), so these queries sit at the last keys
+    they see, not at the buffer's end (a top-left causal mask keeps seeing the first keys, step after step)."""
+    calls = run.sites().get(call.where) or []
+    after = next((other for other in calls if other.index > call.index and other.shape == call.shape), None)
+    later = None if after is None else keep(after)
+    if later is None or later.shape != cells.shape:
+        return False
+    seen, then = cells.any(axis=1)[:, -1], later.any(axis=1)[:, 0]  # (rows, Lk): the last query now, the first next
+    return bool(seen.any()) and bool((then[seen]).all() if seen.shape == then.shape else False) \
+        and bool((then.sum(axis=-1) == seen.sum(axis=-1) + 1).all())

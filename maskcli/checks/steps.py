@@ -21,7 +21,7 @@ from maskcli.checks.heldcells import given_up
 from maskcli.checks.rerun import causal_on_real, rerun_passes
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
-from maskcli.checks.stepcells import held_after_own, placed_past_written, reaches_back, windowed
+from maskcli.checks.stepcells import filling, held_after_own, placed_past_written, reaches_back, windowed
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -228,7 +228,7 @@ def alignment(run: Run) -> list:
         if own[0] == 0 or not positions or stated_first(run).get(call.index) == 0 or _at_start(call):
             continue  # (an engine's metadata placing the queries at the start: the later keys are unwritten slots)
         cells = keep(call)
-        if cells is not None and _filling(run, call, cells):
+        if cells is not None and filling(run, call, cells):
             continue  # (a static buffer filled from its first slot: the next step's queries see the keys these see and
             # their own, over as many columns; t5x's decode from an empty cache after its training passes)
         done.add(call.mask)
@@ -242,21 +242,6 @@ def alignment(run: Run) -> list:
                 f"mask[Lk - Lq:Lk, :Lk])"), expected=f"causal with the queries at {int(own[0])}..{int(own[-1])}",
                 source=f"{call.where}: {k_len - q_len} earlier keys", cell=(0, int(own[0]), 1))))
     return found
-
-
-def _filling(run: Run, call, cells: np.ndarray) -> bool:
-    """The site's next call of the same shape is the next step over the same fixed buffer: each of its queries sees
-    every key this call's last query sees and as many more as the step has queries (their own slots, written since),
-    so these queries sit at the last keys they see, not at the buffer's end (a top-left causal mask keeps seeing the
-    first keys, step after step)."""
-    calls = run.sites().get(call.where) or []
-    after = next((other for other in calls if other.index > call.index and other.shape == call.shape), None)
-    later = None if after is None else keep(after)
-    if later is None or later.shape != cells.shape:
-        return False
-    seen, then = cells.any(axis=1)[:, -1], later.any(axis=1)[:, 0]  # (rows, Lk): the last query now, the first next
-    return bool(seen.any()) and bool((then[seen]).all() if seen.shape == then.shape else False) \
-        and bool((then.sum(axis=-1) == seen.sum(axis=-1) + 1).all())
 
 
 def _stated_length(call, cells: np.ndarray) -> bool:
