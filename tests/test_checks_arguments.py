@@ -1172,3 +1172,21 @@ def test_paddlenlp_ernie_m_builds_its_default_mask_from_id_zero_not_its_pad_id(t
     found = check_bug(tmp_path, "paddlenlp_ernie_m_default_mask_from_token_zero_not_pad", "padding-ignored")
     assert tuple(found[0]["cell"])[:3] == (1, 0, 5) and "pad id 1 of pad_token_id=1" in " ".join(
         found[0]["message"].split())
+
+
+def test_r1v_grpo_log_probs_over_left_padded_prompts_with_no_attention_mask(tmp_path):
+    """Deep-Agent/R1-V#32 (fixed by 5715c29; written blind, blind-up, caught before any rule changed for it): the GRPO
+    trainer recomputed the per-token log-probs with `model(input_ids)`, no attention_mask, so the left pads of the
+    shorter prompt were attended (padding-ignored at row 1, the 4-token prompt padded to 6). The fix hands
+    cat([prompt_mask, completion_mask]) but repeats the prompt mask with repeat_interleave while the ids were
+    concatenated generation by generation: rows 1 and 2 swap prompt masks, so row 2's first real tokens are masked
+    (real-tokens-masked: true of the fix as written, upstream's too)."""
+    status, found, report = traced(tmp_path, "r1v_qwen2vl_grpo_logps_left_padded_prompts_no_attention_mask", False)
+    said = [f for f in found if f["code"] == "padding-ignored"]
+    assert status == 1 and said and said[0]["severity"] == "wrong" and "batch row 1: query 6 sees key 0" in \
+        " ".join(said[0]["message"].split()), report
+    status, found, report = traced(tmp_path, "r1v_qwen2vl_grpo_logps_left_padded_prompts_no_attention_mask", True)
+    wrong = {f["code"] for f in found if f["severity"] == "wrong"}
+    said = [f for f in found if f["code"] == "real-tokens-masked"]
+    assert wrong == {"real-tokens-masked"} and "batch row 2: query 0 does not see key 0" in \
+        " ".join(said[0]["message"].split()), report

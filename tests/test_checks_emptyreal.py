@@ -146,3 +146,33 @@ def test_a_chunk_of_padding_alone_folded_into_the_batch_is_a_padding_query(tmp_p
         status, found, report = traced(tmp_path, name, True, folder)
         assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
         assert any(f["code"] == "fully-masked" for f in found) or name.startswith("chunk"), report
+
+
+def test_a_sample_of_padding_alone_is_no_real_row_whose_context_is_masked():
+    """A cross-attention batch row that sees no key, where the batch's own `attention_mask` (held where the call ran)
+    is 0 throughout: a sample of padding alone (Pop2Piano's separator rows, quiet-r132b), not a real sample whose
+    context is masked. The same rows under a `context_mask` (x-transformers#263's name) stay wrong."""
+    context = np.array([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=bool)
+    keep = np.broadcast_to(context[:, None, None, :], (3, 1, 5, 4)).copy()
+    finite = {"fill": "finite", "fill_value": -3.4e38}
+    for name, severity in (("attention_mask", "note"), ('batch["attention_mask"]', "note"), ("context_mask", "wrong"),
+                           ("encoder_attention_mask", "wrong")):
+        held = ({"kind": "keep", "name": name, "where": "main()", "rows": context},)
+        memory, stored = call(keep, "softmax", held_padding=held, **finite)
+        memory.where = "decoder.layers.0.encoder_attn"
+        assert [f.severity for f in empty_rows(memory, stored, None)] == [severity], name
+
+
+def test_a_static_batch_filled_with_rows_of_padding_alone_is_quiet(tmp_path):
+    """Written another way (tests/data/emptycross): BART (eager, a finite fill) generates over a batch filled up to 4
+    rows with sequences of the pad id alone, attention_mask 0 throughout; the filler rows' decoder queries see no
+    encoder key and their output is dropped. Quiet: no fully-masked *wrong*, and the encoder's padding (right-padded
+    rows beside rows that keep nothing) is no polarity slip. Before: fully-masked, wrong, and polarity, suspicious."""
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    folder = Path(__file__).parent / "data" / "emptycross"
+    status, found, report = traced(tmp_path, "static_batch_filler_rows_bart_generate_quiet", False, folder)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert [f for f in found if f["code"] == "fully-masked"], report  # (the rows are still read, and said as a note)

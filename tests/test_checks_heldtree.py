@@ -65,3 +65,21 @@ def test_judged_against_a_walk_up_the_tree(monkeypatch):
     # the mask handed the other way round (True = hidden) is the same tree
     assert heldtree._tree(~tree) is not None and (heldtree._tree(~tree) == tree).all()
     assert heldtree._tree(np.ones((4, 4), dtype=bool)) is None  # a node seeing a later one: no tree in order
+
+
+def test_the_tree_handed_nearest_the_call_is_read_not_one_a_caller_further_out_holds(tmp_path):
+    """OPT-Tree's classic verifier (written blind, quiet-r133a; a false alarm before) written another way: verify() holds
+    the tree it checked and drafts the next one, whose kernel is handed that tree's own `tree_mask`. Quiet: the outer
+    tree is another tree's. `--leak`: the kernel lays a causal triangle over the draft instead, contradicting the tree
+    it was handed (each node sees every earlier node): said against that tree, for both trees' calls."""
+    from checkbugs import traced
+
+    name = "verify_holds_its_tree_while_drafting_the_next"
+    status, found, report = traced(tmp_path, name, False, HELDTREE)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    status, found, report = traced(tmp_path, name, False, HELDTREE, ("--leak",))
+    said = [f for f in found if f["code"] == "tree-mask-not-applied"]
+    for parents in ([-1, 0, 0, 1, 1, 2, 3], [-1, 0, 0, 1, 2]):
+        leaks = sum(1 for i in range(len(parents)) for j in range(i) if not _ancestor(parents, i, j))
+        assert [f for f in said if f"({leaks} such cells)" in " ".join(f["message"].split())
+                and "(tree_attention() of" in " ".join(f["message"].split())], (leaks, report)

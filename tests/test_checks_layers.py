@@ -171,3 +171,15 @@ def test_a_config_of_parts_speaks_through_the_text_part_its_language_model_holds
             torch.randn(1, 1, 4, 4), torch.randn(1, 1, 6, 4))
     wrong = [f for group in t.groups() for f in group.findings if severity(f) == "wrong"]
     assert wrong and "layer 1" in wrong[0].message, [f.message for f in wrong]
+
+
+def test_mlx_vlm_gemma3_masks_built_from_the_cache_list_lose_the_window(tmp_path):
+    """Blaizzy/mlx-vlm be852ea6 (#681; written blind, blind-vd, caught before any rule changed for it): Gemma3Model built
+    its masks from slices of the per-layer cache list, which has no make_mask(), and passed no window, so the local
+    layers of a 12-token prompt got the plain causal mask. The reference: layers i with (i + 1) % 3 != 0 are local
+    (sliding_window_pattern 3, 6 layers), each of them said, and none of the global ones."""
+    found = check_bug(tmp_path, "mlx_vlm_gemma3_prefill_masks_from_cache_list_no_window", "window-missing")
+    local = [i for i in range(6) if (i + 1) % 3 != 0]
+    said = sorted({int(f["message"].split()[1]) for f in found})
+    assert said == local, found
+    assert all("sliding_window=4" in " ".join(f["message"].split()) for f in found), found

@@ -593,3 +593,62 @@ def test_vllm_cpu_backend_prompts_run_before_the_decodes_they_follow_are_no_find
     calls are not in the tokens' order and no split is read."""
     status, found, report = traced(tmp_path, "vllm_cpu_sdpa_mixed_batch_prefill_reads_decode_rows", True, BLIND)
     assert status == 0 and not [f for f in found if f["severity"] == "wrong"], report
+
+
+def test_xlm_roberta_xl_decode_positions_counted_from_the_last_token_alone(tmp_path):
+    """huggingface/transformers#35044 (written blind, blind-uo, caught before any rule changed for it):
+    XLMRobertaXLForCausalLM's prepare_inputs_for_generation handed no position_ids, so each decode step's position was
+    counted by create_position_ids_from_input_ids over the last token alone: padding_idx + 1 + the cache's length, the
+    left pads counted. The reference: row 1's prompt of 4 real tokens, left-padded to 9, sits at padding_idx + 1 ..
+    padding_idx + 4; its first decode token belongs at padding_idx + 5 and is read at padding_idx + 1 + 9."""
+    pad, width, real = 1, 9, 4
+    hit = check_bug(tmp_path, "hf_xlm_roberta_xl_causal_lm_decode_positions_from_last_token_only",
+                    "positions-vs-keys")[0]
+    message = " ".join(hit["message"].split())
+    assert f"batch row 1: query 0 sees one key more than the site's previous step's last query (at position " \
+        f"{pad + real}), yet its position is {pad + 1 + width}, not {pad + real + 1}" in message, hit
+
+
+def test_gluonnlp_gpt2_decode_offset_read_off_the_heads_axis(tmp_path):
+    """dmlc/gluon-nlp#1015 (fixed by 86bd0800; written blind, blind-un, missed before tuning: the table `_pos_embed`,
+    a private attribute, was not read as the model's position table): GPT2Model numbered a cached step from
+    `states[0].shape[1]`, the heads (4), not the cached length (`shape[2]`). The reference: a 9-token prompt ends at
+    position 8, so the first step belongs at 9 and is read at num_heads."""
+    prompt, heads = 9, 4
+    hit = check_bug(tmp_path, "gluonnlp_gpt2_decode_positions_from_num_heads", "positions-vs-keys")[0]
+    message = " ".join(hit["message"].split())
+    assert f"(at position {prompt - 1}), yet its position is {heads}, not {prompt}: the position does not move on" \
+        in message, hit
+
+
+def test_a_private_position_table_indexed_inline_off_the_cache_heads_axis(tmp_path):
+    """gluon-nlp#1015 written another way (tests/data/positions): a hand-written GPT's `_position_embedding` indexed
+    inline (no local of positions to read), SDPA, a (2, B, H, T, D) cache whose offset is read at `size(2)` (3 heads)
+    where the fix reads `size(3)`. A prompt of 6: step 1 belongs at 6 and reads row 3."""
+    prompt, heads = 6, 3
+    hit = check_bug(tmp_path, "private_pos_table_decode_offset_from_cache_heads_axis", "positions-vs-keys",
+                    POSITIONS)[0]
+    assert f"(at position {prompt - 1}), yet its position is {heads}, not {prompt}" in " ".join(hit["message"].split())
+
+
+def test_unsloth_position_ids_from_the_shared_cache_position_over_a_left_padded_batch(tmp_path):
+    """unslothai/unsloth#4100's position_ids (written blind, blind-vg; missed before: the positions were handed, the same
+    in every row, and only positions numbered row by row were asked where sequences start): the generation hook set
+    `position_ids = cache_position`, so GPT-2's learned table read the left-padded prompt of 4 (padded to 8) from row
+    4. The reference: its first real token at column 8 - 4, the unpadded row's at 0."""
+    width, short = 8, 4
+    hit = check_bug(tmp_path, "unsloth_fast_prepare_inputs_position_ids_from_cache_position_left_padded",
+                    "positions-vs-keys")[0]
+    message = " ".join(hit["message"].split())
+    assert f"batch row 0: query {width - short} starts a sequence (it sees only itself, and the next query sees it) at " \
+        f"position {width - short}, where batch row 1's query 0 starts one at 0" in message, hit
+    assert "number every row's columns alike, its padding counted" in message, hit
+
+
+def test_a_learned_table_handed_one_column_numbering_for_a_left_padded_batch(tmp_path):
+    """unsloth#4100 written another way (tests/data/positions): a hand-written scorer's `pos_embedding` handed
+    `arange(L).expand(B, L)` over prompts of 7 and 4 left-padded with 0, SDPA with a bool mask; the fix counts from the
+    mask. Row 1's first token (column 3) reads row 3 of the table."""
+    hit = check_bug(tmp_path, "learned_table_left_padded_prefill_positions_arange_expanded", "positions-vs-keys",
+                    POSITIONS)[0]
+    assert "batch row 1: query 3 starts a sequence" in " ".join(hit["message"].split()), hit

@@ -149,3 +149,28 @@ def test_a_bias_that_is_no_function_of_the_distance_states_nothing():
     with maskcli.trace() as t, torch.no_grad():
         program()
     assert "low" in t.calls[0].details["position_bias"]  # (read, and found to be no function of k - q)
+
+
+def test_keras_hub_falcon_alibi_built_over_the_steps_query_at_a_static_cache_step(tmp_path):
+    """keras-team/keras-hub#2977 (written blind, blind-vc; missed before: the static cache's step sits at
+    `cache_update_index`, not at its keys' end, so its bias was read against an unwritten slot): cached Falcon built its
+    ALiBi over the step's one token, a (B, H, 1, 1) of 0 broadcast over the cache. The reference: ALiBi's slope of head
+    0 for 8 heads, 2 ** -(2 ** -(log2(8) - 3)) = 0.5, so the prefill adds -0.5 * 4 at distance -4, the first
+    distance a decode step misses by more than a quarter of the bias's span (at its third step)."""
+    slope = 2 ** (-(2 ** -(math.log2(8) - 3)))
+    hit = check_bug(tmp_path, "keras_hub_falcon_cached_decode_alibi_over_query_window", "position-bias-misplaced")[0]
+    message = " ".join(hit["message"].split())
+    assert f"(head 0: {-slope * 4:.4g} at distance -4" in message and "it adds 0 there" in message, hit
+    assert "a bias built over the step's own tokens" in message, hit
+
+
+def test_a_static_cache_alibi_bias_over_the_steps_own_tokens(tmp_path):
+    """keras-hub#2977 written another way (tests/data/relbias): a static cache of 16 slots written at
+    `cache_position`, ALiBi over the distances among the step's own tokens padded out to the buffer. The prefill (5
+    queries over 16 slots) states the function; decode step 1 (its query at slot 5) adds 0 at distance -4, where head 0
+    (slope 2 ** (-8 / 4)) adds -slope * 4."""
+    slope = 2 ** (-8 / 4)
+    hit = check_bug(tmp_path, "static_cache_alibi_bias_over_the_steps_own_tokens", "position-bias-misplaced",
+                    RELBIAS)[0]
+    message = " ".join(hit["message"].split())
+    assert f"(head 0: {-slope * 4:.4g} at distance -4" in message and "(its query at position 5 of 16 keys)" in message

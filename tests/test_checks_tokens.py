@@ -811,3 +811,49 @@ def test_trl_grpo_paged_generation_prompts_padded_again_on_the_right(tmp_path):
     hits = check_bug(tmp_path, "trl_grpo_paged_generation_prompts_repadded_right", "real-tokens-masked")
     assert "which the attention_mask of LlamaForCausalLM marks padding, but its id is not the model's pad id (0)" \
         in hits[0]["message"], hits
+
+
+def test_dummy_batch_whose_positions_count_from_the_mask_is_padding_not_masked_text(tmp_path):
+    """quiet-r130a (written blind): onnxruntime's GPT-2 helper draws random ids, pads a random run at each row's start
+    and counts position_ids from the mask; real-tokens-masked called the random ids under the 0s text. Written another
+    way (tests/data/tokens): a hand-written RoPE decoder's benchmark batch, the pad id three times in a row among one
+    row's text. The positions say the 0s are padding: quiet. `--real-batch`: prompts left-padded with the pad id under
+    a response mask, positions from that mask too: the ids' own padding says the prompts are text (still said)."""
+    name = "dummy_batch_random_ids_left_padding_positions_from_mask"
+    status, found, report = traced(tmp_path, name, False, TOKENS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    status, found, report = traced(tmp_path, name, False, TOKENS, ("--real-batch",))
+    said = [f for f in found if f["code"] == "real-tokens-masked"]
+    assert status == 1 and said and "8 tokens it masks are text, of 8 different ids" in " ".join(said[0]["message"].split())
+
+
+def test_positioned_padding_against_a_loop_over_rows():
+    """padruns.positioned_padding against a loop: a row's 0s one run at its start, its positions on the 1s 0, 1, ...,
+    and no two pad ids in a row that pad (masked, or at an edge)."""
+    from types import SimpleNamespace
+
+    from maskcli.checks.padruns import positioned_padding
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows, length = rng.integers(1, 4), rng.integers(2, 7)
+        given = (np.arange(length)[None, :] >= rng.integers(0, length + 1, (rows, 1))).astype(np.int64)
+        if rng.random() < 0.3:
+            given[rng.integers(rows), rng.integers(length)] ^= 1
+        positions = np.where(given == 1, np.cumsum(given, axis=1) - 1, rng.integers(0, 2))
+        if rng.random() < 0.3:
+            positions = positions + rng.integers(0, 2, positions.shape)
+        ids = rng.integers(0, 3, (rows, length))
+        got = positioned_padding(SimpleNamespace(arguments={"position_ids": positions}), given, ids == 0)
+        padding_pairs = False
+        for b in range(rows):
+            for k in range(length - 1):
+                pads = [ids[b, j] == 0 and (given[b, j] == 0 or all(ids[b, :j + 1] == 0) or all(ids[b, j:] == 0))
+                        for j in (k, k + 1)]
+                padding_pairs |= all(pads)
+        for b in range(rows):
+            ones = [j for j in range(length) if given[b, j] == 1]
+            zeros = [j for j in range(length) if given[b, j] == 0]
+            want = bool(zeros) and zeros == list(range(len(zeros))) \
+                and [positions[b, j] for j in ones] == list(range(len(ones))) and not padding_pairs
+            assert got[b] == want, (given, positions, ids)

@@ -14,8 +14,9 @@ A cross-attention whose mask hides a batch row's whole context (every query of t
 some) from a softmax with a finite fill gives that row's queries, the decoder's own tokens, uniform weights over the
 context the program masks: its padding is read (x-transformers#263: a sample with no conditioning spread its
 attention over the padded context; the fix zeroes those rows' output, trace/after.py's `zeroed_output`). Wrong there;
-quiet where the kernel or the program gives those rows 0 (SDPA, flash, flex, a fill of 0 after), and on padding
-queries, which a cross-attention's key mask never hides whole: a batch row that is a chunk of padding alone, of a
+quiet where the kernel or the program gives those rows 0 (SDPA, flash, flex, a fill of 0 after), on a batch row the
+batch's own `attention_mask` calls padding throughout (a sample of padding alone: Pop2Piano's separator rows), and on
+padding queries, which a cross-attention's key mask never hides whole: a batch row that is a chunk of padding alone, of a
 sequence the program's own padding mask covers folded into the batch in chunks of the keys (checks/heldfold.py: an
 hourglass transformer's pooled bucket attending to its bucket), is such a padding query.
 """
@@ -82,7 +83,8 @@ def context_masked_whole(call, stored: dict, empty: np.ndarray, effect: str) -> 
         return None
     for _, real in folded_padding(call, call.details.get("held_padding")):
         whole = whole & real.any(axis=1)  # (a chunk of padding only, of a sequence folded into the batch: its query is
-    if not whole.any():  # the chunk's own, padding too: hourglass-transformer-pytorch 674ede1's fix)
+    whole &= ~padding_samples(call)  # the chunk's own, padding too: hourglass-transformer-pytorch 674ede1's fix)
+    if not whole.any():
         return None
     b = int(np.flatnonzero(whole)[0])
     return Finding("fully-masked", (
@@ -90,3 +92,19 @@ def context_masked_whole(call, stored: dict, empty: np.ndarray, effect: str) -> 
         f"each masked by the program), where the other batch rows see theirs: {effect}, so the row's real queries read "
         "the context the program masked as padding (zero those rows' output, or give them a key)"), "wrong",
         expected="no weight on keys the mask hides: 0 output for a row with no key", cell=(b, 0, 0))
+
+
+def padding_samples(call) -> np.ndarray:
+    """Bool (b,): batch rows the batch's own `attention_mask` (held by the program where the call ran: its name, or a
+    batch's `["attention_mask"]`) marks 0 throughout: samples of padding alone, no input of their own, whose outputs a
+    program drops (Pop2Piano's feature extractor puts an all-zero row after each clip: written blind, quiet-r132b). A
+    sample with input but no context (x-transformers#263's, masked by a `context_mask`) is no such row."""
+    rows = np.zeros(call.shape[0], bool)
+    for held in call.details.get("held_padding") or ():
+        given = held.get("rows")
+        name = str(held.get("name", ""))
+        if held.get("kind") == "keep" and (name == "attention_mask" or name.endswith('["attention_mask"]')) \
+                and isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[0] == call.shape[0] \
+                and given.any(axis=1).any():
+            rows |= ~given.any(axis=1).astype(bool)
+    return rows

@@ -9,8 +9,11 @@ each query's row must be its node's row of the tree mask; a row that sees a node
 or misses one it shows contradicts the mask the program holds (FastDeploy#3514: `mask_check_iteration` started at
 the query tile's causal diagonal, so the KV tiles below it were never masked and a later tile's draft tokens saw
 every earlier draft token). The mask is read whichever way round makes every node see itself, lower-triangular (a
-tree in topological order); the keys before the draft (the cache) are other rules'. Left alone: calls whose queries
-are not consecutive draft nodes, masks that are no tree in that order, cross-attention.
+tree in topological order); the keys before the draft (the cache) are other rules'. Only the tree mask the nearest
+frame was handed is read (trace/namedmasks.py): one a function further out holds is another tree's where a nearer
+function was handed its own, in whatever shape (OPT-Tree's verify() holds the tree it verified and drafts the next one,
+whose draft model is handed that tree's mask: written blind, quiet-r133a). Left alone: calls whose queries are not consecutive draft nodes, masks that are no tree
+in that order, cross-attention.
 """
 
 from __future__ import annotations

@@ -102,11 +102,13 @@ def _edge_padding(call) -> bool:
     """The mask as given is a key padding mask padded at either end (each batch row's queries, over its heads, keep one
     run of keys that starts at the first or ends at the last, some row keeping every key, or some queries keeping every
     key and the others the run): its reversed reading is the other end's padding, no sign of a polarity slip (a
-    left-padded encoder memory). Rows that see no key at all and read only values of 0 (trace/after.py's
+    left-padded encoder memory). Rows of a sample of padding alone (its batch's `attention_mask` 0 throughout: a
+    static batch's filler rows, checks/emptyreal.py) are left out, and so are rows that see no key at all and read only values of 0 (trace/after.py's
     `zeroed_output` "values": MusicGen's guidance rows over zeroed states) are left out of the reading."""
     import numpy as np
 
     from maskcli.checks.context import keep
+    from maskcli.checks.emptyreal import padding_samples
 
     cells = keep(call) if getattr(call, "stored", None) is not None else None
     if cells is None or not cells.size:
@@ -118,6 +120,9 @@ def _edge_padding(call) -> bool:
         if rows is None:
             return False
     kept = rows[:, 0]  # (b, Lk)
+    samples = padding_samples(call)  # (rows the batch's own attention_mask calls padding throughout: emptyreal.py)
+    if samples.shape[0] == kept.shape[0] and samples.any() and not samples.all():
+        kept = kept[~samples]
     if call.details.get("zeroed_output") == "values":  # (rows that see no key read values that are all 0: a null
         kept = kept[kept.any(axis=1)]  # condition's, classifier-free guidance's; no padding to read either way)
         if not kept.size:

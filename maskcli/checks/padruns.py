@@ -92,3 +92,23 @@ def filler_kept(hidden: np.ndarray, given: np.ndarray, ids: np.ndarray) -> bool:
     at = np.flatnonzero(hidden)
     return at.size > 0 and at[-1] - at[0] + 1 == at.size and at[-1] + 1 < len(ids) and given[at[-1] + 1] == 1 \
         and ids[at[-1] + 1] == ids[at[0]] and (at[0] == 0 or ids[at[0] - 1] != ids[at[0]])
+
+
+def positioned_padding(top, given: np.ndarray, at_pad: np.ndarray) -> np.ndarray:
+    """Bool (B,): rows whose masked tokens the program's own position ids call padding. The attention_mask's 0s are one
+    run at the row's start and the model call's `position_ids` count only its 1s, from 0 (`attention_mask.cumsum(-1) -
+    1`, the pads clamped or filled: onnxruntime's GPT-2 helper over random dummy ids, HF's generate): the positions say
+    those tokens are not the text, whatever their ids. Not where the batch's ids are padded with the pad id (a run of
+    two or more that the mask marks 0, or at a row's edge): the ids then state the padding themselves, and a mask that
+    hides more is still said. (Random ids may hold the pad id twice in a row among the text, marked 1: no padding.)"""
+    positions = top.arguments.get("position_ids")
+    rows, length = given.shape
+    none = np.zeros(rows, bool)
+    runs = at_pad & ((given == 0) | np.cumprod(at_pad, axis=1).astype(bool) | np.cumprod(at_pad[:, ::-1], axis=1)[:, ::-1]
+                     .astype(bool))  # (the pad ids that pad: masked, or in a run at either edge)
+    if not isinstance(positions, np.ndarray) or positions.shape != given.shape or (runs[:, 1:] & runs[:, :-1]).any():
+        return none
+    ones = given == 1
+    lead = np.cumprod(~ones, axis=1).astype(bool)  # (each row's run of 0s at its start)
+    counted = np.where(ones, np.cumsum(ones, axis=1) - 1, positions)
+    return (lead == ~ones).all(axis=1) & (counted == positions).all(axis=1) & lead.any(axis=1)

@@ -293,6 +293,8 @@ def check(run: Run) -> list:
         name, positions, unhanded = (*handed, False)[:3]
         apart = table and positions.shape[0] > 1 and bool((positions != positions[:1]).any())  # (rows numbered each its
         # own way, looked up in a table: a rotary model's row shifted whole is the same text, CogVLM's left-padded rows)
+        absolute = isinstance(top.arguments.get("table_positions"), np.ndarray)  # (whatever it was handed, the model
+        # looks each position up in a table of absolute positions: a row shifted whole is other text, unsloth#4100)
         sites: dict = {}
         for call in run.made_by(top):
             sites.setdefault(call.where, []).append(call)
@@ -309,8 +311,8 @@ def check(run: Run) -> list:
                 source = name if table else f"{name} of {top.where}"
                 row = top.arguments.get("table_padding_row") if table else None  # (tokens at the table's padding
                 real = placed if row is None else placed & (placed_at != row)  # row are its pads: SASRec's)
-                start = starts(call, seen, real, placed_at, source, unhanded) \
-                    if (unhanded or apart) and where not in done else None
+                start = starts(call, seen, real, placed_at, source, unhanded, absolute) \
+                    if (unhanded or apart or absolute) and where not in done else None
                 if start is not None:
                     done.add(where)
                     found.append((call, start))
@@ -353,7 +355,9 @@ def check(run: Run) -> list:
                                       "padding not subtracted at this step?)" if pads and p - before.position - 1 == pads else
                                       "the position is ahead of the keys it writes (advanced before the forward?)"
                                       if p > before.position else
-                                      "keys of tokens no longer in the sequence stay in the cache (not rolled back?)")
+                                      "the position does not move on while the cache grows by a key (a length read "
+                                      "off another axis of the cache, its heads? keys of tokens no longer in the "
+                                      "sequence kept, not rolled back?)")
                         found.append((call, Finding("positions-vs-keys", (
                             f"batch row {b}: query {first} sees one key more than the site's previous step's last query "
                             f"(at position {before.position}), yet its position is {p}, not {before.position + 1}: {why}"),

@@ -95,32 +95,38 @@ def misplaced(run: Run) -> list:
         stated = head = None
         for call in calls:
             bias = call.details.get("position_bias")
-            if not bias or not _end_aligned(run, call):
+            if not bias or not ("own_start" in bias or _end_aligned(run, call)):  # (a static cache's step: its
+                # queries at their last kept key, trace/posbias.py)
                 continue
             q_len, k_len = call.shape[2:]
-            if stated is None:
-                if q_len == k_len >= 2:
+            full = q_len >= 2 and (q_len == k_len or bias.get("own_start") == 0)  # (a static cache's prefill: its
+            if stated is None:  # queries the first slots, those past them unwritten)
+                if full:
                     stated, head = _stated(bias), call
                 continue
             worst = _worst(*stated, bias)
-            if worst is not None and q_len == k_len:
+            if worst is not None and full:
                 break  # (another full pass adds another bias: not one function of k - q, XLNet's content term)
             if worst is None:
                 continue
             h, d, want, got = worst
             slip = (head.step, call.step, h, d, f"{want:.4g}", f"{got:.4g}")
+            first = bias.get("own_start", k_len - q_len)  # (its first query's key)
             if slip in said:
                 break  # (the layers of one model, each the same slip: said at the first)
             said.add(slip)
             found.append((call, Finding("position-bias-misplaced", (
                 f"step {head.step} of {where} adds a bias that is one function of the key's distance from the query "
                 f"(head {h}: {want:.4g} at distance {d}, each row less its value at its own key), but at step {call.step} "
-                f"({f'its query at position {k_len - 1}' if q_len == 1 else f'queries at {k_len - q_len}..{k_len - 1}'} of {k_len} "
+                f"({f'its query at position {first}' if q_len == 1 else f'queries at {first}..{first + q_len - 1}'} of {k_len} "
                 f"keys) "
-                f"it adds {got:.4g} there: its bias rows are not its queries' own (a cached step given the rows of the "
-                f"first queries, as alibi[:, :q_len] does; take the last: alibi[:, -q_len:])"),
+                f"it adds {got:.4g} there: its bias rows are not its queries' own ("
+                + ("it adds the same value at every distance: a bias built over the step's own tokens, not the keys "
+                   "it sees? or the rows of the first queries, as alibi[:, :q_len] gives" if "zero" in bias else
+                   "a cached step given the rows of the first queries, as alibi[:, :q_len] does; take the last: "
+                   "alibi[:, -q_len:]") + ")"),
                 expected=f"the bias of step {head.step} at each distance k - q", source=f"{where} at steps {head.step} "
-                f"and {call.step}", cell=(0, k_len - q_len, k_len - q_len + d))))
+                f"and {call.step}", cell=(0, first, first + d))))
             break  # (each site said once)
     return found
 

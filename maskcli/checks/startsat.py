@@ -26,7 +26,7 @@ def looked_up(top) -> tuple[str, np.ndarray, bool] | None:
     return "the rows its table of positions was read at", read.astype(np.int64), False
 
 
-def starts(call, seen, placed, placed_at, source: str, unhanded: bool) -> Finding | None:
+def starts(call, seen, placed, placed_at, source: str, unhanded: bool, absolute: bool = False) -> Finding | None:
     """A prefill's queries that start a sequence (each sees only itself, and the query after it sees it and itself)
     must sit at one position, wherever their row's padding or earlier packed samples put them: with positions looked up
     in a table, the same text is embedded differently by where its batch put it (OpenRLHF#217's left-padded rows
@@ -35,7 +35,9 @@ def starts(call, seen, placed, placed_at, source: str, unhanded: bool) -> Findin
     that takes none numbers its columns by its own statement (a hand-written GPT's `arange`), and a library's
     generation loop that hands none (BART's, Whisper's decoder prompts) is the library's numbering, not the program's;
     or where the positions differ from row to row: the program placed each row's tokens itself, so one row's first
-    start placed apart from another's contradicts its own numbering (x-transformers 013e60a added each left-padded
+    start placed apart from another's contradicts its own numbering; or where the model looks its positions up in a
+    table of absolute positions (`absolute`), whatever it was handed: a left-padded row numbered by column reads other
+    rows of the table than the same text unpadded (unsloth#4100: position_ids from the shared cache_position) (x-transformers 013e60a added each left-padded
     row's pad count to its positions where it meant to take it off); a later start in a row is a chunk's (Llama 4's
     chunked layers) or a packed sample's, not compared."""
     batch, _, q_len, k_len = call.shape
@@ -45,10 +47,13 @@ def starts(call, seen, placed, placed_at, source: str, unhanded: bool) -> Findin
     follows = np.zeros_like(placed)
     follows[:, :-1] = placed[:, 1:] & (counts[:, 1:] == 2) & seen[:, np.arange(1, q_len), np.arange(q_len - 1)]
     starts = np.argwhere(placed & (counts == 1) & follows)
+    numbered = True
     if not unhanded:  # (rows numbered apart: some column real in two rows at two positions, not a numbering of the
         both = placed[:, None, :] & placed[None, :, :]  # columns with the pads zeroed, SASRec's; then each row's
-        if not (both & (placed_at[:, None, :] != placed_at[None, :, :])).any():  # first start alone, its sequence's;
-            return None  # a later one in the row
+        numbered = (both & (placed_at[:, None, :] != placed_at[None, :, :])).any()  # first start alone, its
+        if not numbered and not absolute:  # sequence's; a later one in the row
+            return None  # (`absolute`: positions handed the same in every row, each looked up in a table of absolute
+            # positions: a row's start placed by its padding is other text, unsloth#4100's cache_position)
         starts = starts[np.r_[True, starts[1:, 0] != starts[:-1, 0]]] if len(starts) else starts  # is a chunk's,
         # Llama 4's chunked layers, or a packed sample's, numbered on by its row's own statement)
     if len(starts) < 2:
@@ -63,6 +68,8 @@ def starts(call, seen, placed, placed_at, source: str, unhanded: bool) -> Findin
         f"where batch row {b0}'s query {j0} starts one at {p0}: looked up in a table of positions, the same tokens are "
         f"embedded by where the batch put them, counting {p - p0} tokens before them they do not see (left padding or "
         f"an earlier packed sample): " + ("the model takes position_ids and the call handed none" if unhanded else
-                                          "the program numbers each row itself, and puts these starts apart")),
+                                          "the program numbers each row itself, and puts these starts apart" if
+                                          numbered else "the positions handed number every row's columns alike, its "
+                                          "padding counted (positions from a shared cache_position or arange?)")),
         expected=f"position {p0}", source=source,
         cell=(int(b), int(j), int(j)))

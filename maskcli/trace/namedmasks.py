@@ -29,8 +29,12 @@ def note(details: dict, walked) -> None:
     """details["named_masks"] where the program's frames were handed token masks under a `<what>_mask` name."""
     if walked is None:
         return
-    found, seen = [], set()
+    found, seen, tree = [], set(), False
     for _, code, name, value in named_parameters(walked, _NAMES, NAMED):
+        if "tree" in name:  # (only the draft tree mask handed nearest the call is its: one a function further out
+            if tree:  # holds belongs to another tree, OPT-Tree's verify() drafting the next; read or not, it shadows)
+                continue
+            tree = True
         rows = _read(value)
         if rows is not None and id(value) not in seen:
             seen.add(id(value))

@@ -63,6 +63,8 @@ def profile(addends: tuple, x: torch.Tensor, keep: torch.Tensor | None) -> dict 
     own = np.arange(q_len) + (k_len - q_len)  # each query's own column: the keys end at the last query
     if own[0] < 0:
         return None
+    static = _static_columns(kept, own)  # (a static cache's queries: at their last kept key, the slots after unwritten)
+    own = own if static is None else static
     rows = np.arange(q_len)
     real = kept[:, rows, own]  # (planes, Lq): rows whose own key is kept (padding queries are not)
     with np.errstate(invalid="ignore"):  # (-inf less -inf on a masked own column: NaN, read as no cell)
@@ -74,7 +76,8 @@ def profile(addends: tuple, x: torch.Tensor, keep: torch.Tensor | None) -> dict 
         return None
     plane, row, col = np.nonzero(cells)
     if not np.abs(g[cells]).max() > 0:  # (a mask added, 0 on every kept cell; or a bias lost: the distances it spans)
-        return {"heads": int(heads), "zero": [int(distance[row, col].min()), int(distance[row, col].max())]}
+        return {"heads": int(heads), "zero": [int(distance[row, col].min()), int(distance[row, col].max())],
+                **({} if static is None else {"own_start": int(own[0])})}
     slot = (plane % heads) * (2 * DISTANCE + 1) + distance[row, col] + DISTANCE
     values = g[plane, row, col]
     low = np.full(heads * (2 * DISTANCE + 1), np.inf)
@@ -82,7 +85,22 @@ def profile(addends: tuple, x: torch.Tensor, keep: torch.Tensor | None) -> dict 
     np.minimum.at(low, slot, values)
     np.maximum.at(high, slot, values)
     count = np.bincount(slot, minlength=low.size).reshape(heads, -1)
-    return {"heads": int(heads), "low": _listed(low, heads), "high": _listed(high, heads), "count": count.tolist()}
+    return {"heads": int(heads), "low": _listed(low, heads), "high": _listed(high, heads), "count": count.tolist(),
+            **({} if static is None else {"own_start": int(own[0])})}
+
+
+def _static_columns(kept: np.ndarray, own: np.ndarray) -> np.ndarray | None:
+    """Each query's own column in a static cache (keys preallocated, the slots past the queries not yet written): the
+    last key any plane keeps in its row, where those are consecutive, before the keys' end, and no plane keeps a key
+    after the last query's (KerasHub's cached Falcon: a (B, H, 1, max_length) step at `cache_update_index`); None
+    where the queries sit at the keys' end (or the mask keeps keys past them)."""
+    seen = kept.any(axis=0)  # (Lq, Lk)
+    if not seen.any(axis=1).all():
+        return None
+    last = seen.shape[1] - 1 - np.argmax(seen[:, ::-1], axis=1)
+    if (last >= own).any() or (np.diff(last) != 1).any():
+        return None
+    return last
 
 
 def _listed(values: np.ndarray, heads: int) -> list:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from maskcli.trace.losses import watched as losses
 
-NAMES = re.compile(r"^(?:wpe|embed_positions|position_embeddings?|positional_embeddings?|pos_emb(?:ed|edding|eddings)?"
+NAMES = re.compile(r"^_*(?:wpe|embed_positions|position_embeddings?|positional_embeddings?|pos_emb(?:ed|edding|eddings)?"
                    r"|pos_embeddings?)$")
 LIMITS = ("max_position_embeddings", "n_positions", "max_positions", "n_ctx")
 MOST = 1 << 16  # indices of one lookup kept (copied at every lookup of every table: the token embedding's too)
