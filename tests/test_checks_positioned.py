@@ -652,3 +652,16 @@ def test_a_learned_table_handed_one_column_numbering_for_a_left_padded_batch(tmp
     hit = check_bug(tmp_path, "learned_table_left_padded_prefill_positions_arange_expanded", "positions-vs-keys",
                     POSITIONS)[0]
     assert "batch row 1: query 3 starts a sequence" in " ".join(hit["message"].split()), hit
+
+
+def test_codeparrot_gpt2_left_padded_completion_numbered_from_the_first_column(tmp_path):
+    """huggingface/transformers#7552 (before it, GPT-2's prepare_inputs_for_generation handed no position_ids; written
+    blind, blind-vj, caught before any rule changed for it): a CodeParrot-style GPT-2 completing left-padded prompts
+    numbers each row from its first column, pads counted. The reference: a character tokenizer over the three prompts,
+    so the shortest (row 2) starts at column max(len) - len."""
+    prompts = ["def add(a, b):\n    return", "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) +",
+               "import os\n"]
+    pads = max(map(len, prompts)) - len(prompts[2])
+    hit = check_bug(tmp_path, "codeparrot_gpt2_left_padded_batch_completion_positions_from_zero", "positions-vs-keys")[0]
+    assert f"batch row 2: query {pads} starts a sequence (it sees only itself, and the next query sees it) at position " \
+        f"{pads}, where batch row 1's query 0 starts one at 0" in " ".join(hit["message"].split()), hit

@@ -186,3 +186,28 @@ def test_a_streaming_chunk_mask_with_lengths_never_subsampled(tmp_path):
     bad = sorted({k for q in range(real) for k in range(frames) if k < min((q // chunk + 1) * chunk, frames)
                   and k < given and k >= real})
     assert bad and hit["cell"] == [1, 0, bad[0]] and f"keeps frames {bad[0]}-{bad[-1]} of that row" in hit["message"], hit
+
+
+def test_s3tokenizer_25hz_code_lengths_halved_once_for_two_strided_convolutions(tmp_path):
+    """xingchensong/S3Tokenizer f583c97 (written blind, blind-vi, caught before any rule changed for it): the 25 Hz
+    encoder's two stride-2 convolutions make (n + 1) // 2 frames twice, but it returned lengths halved once, so the
+    model over the codes keeps codes made from padding. The reference: the convolutions' own arithmetic (k3/s2/p1 twice)
+    over the 26-sample row of 40 against the lengths returned. Its fix is told made-frames-hidden, true of the program
+    as written at both commits: the encoder's own mask, subsampled by striding the sample mask twice, keeps 6 frames
+    where the convolutions make 7."""
+    def conv(n):
+        return (n + 2 * 1 - 3) // 2 + 1
+
+    real, width = 26, 40
+    made, returned, frames = conv(conv(real)), (real + 1) // 2, conv(conv(width))
+    status, found, report = traced(tmp_path, "s3tokenizer_v1_25hz_code_len_not_halved_twice", False)
+    said = [f for f in found if f["code"] == "padded-frames-attended" and f["severity"] == "wrong"]
+    assert status == 1 and said, report
+    assert f"make {made} frames of them, yet this attention over the {frames} frames keeps frames " \
+        f"{made}-{min(returned, frames) - 1} of that row" in " ".join(said[0]["message"].split()), report
+    status, found, report = traced(tmp_path, "s3tokenizer_v1_25hz_code_len_not_halved_twice", True)
+    assert {f["code"] for f in found if f["severity"] == "wrong"} == {"made-frames-hidden"}, report
+    strided = len(range(1, width, 2))  # (the encoder's mask: every other sample from 1, twice)
+    kept = len([i for i in range(1, strided, 2) if 2 * i + 1 < real])
+    assert kept == made - 1 and f"hides frame {kept} of that row" in " ".join(
+        [f for f in found if f["code"] == "made-frames-hidden"][0]["message"].split()), report

@@ -293,8 +293,9 @@ def check(run: Run) -> list:
         name, positions, unhanded = (*handed, False)[:3]
         apart = table and positions.shape[0] > 1 and bool((positions != positions[:1]).any())  # (rows numbered each its
         # own way, looked up in a table: a rotary model's row shifted whole is the same text, CogVLM's left-padded rows)
-        absolute = isinstance(top.arguments.get("table_positions"), np.ndarray)  # (whatever it was handed, the model
-        # looks each position up in a table of absolute positions: a row shifted whole is other text, unsloth#4100)
+        absolute = not table and isinstance(top.arguments.get("table_positions"), np.ndarray)  # (positions the call
+        # was handed, looked up in a table of absolute positions: a row shifted whole is other text, unsloth#4100; the
+        # model's own numbering, handed none, is its statement: BART's decoder counts its columns)
         sites: dict = {}
         for call in run.made_by(top):
             sites.setdefault(call.where, []).append(call)
