@@ -857,3 +857,47 @@ def test_positioned_padding_against_a_loop_over_rows():
             want = bool(zeros) and zeros == list(range(len(zeros))) \
                 and [positions[b, j] for j in ones] == list(range(len(ones))) and not padding_pairs
             assert got[b] == want, (given, positions, ids)
+
+
+def test_tokens_sampled_past_a_rows_end_token_and_masked_are_no_text(tmp_path):
+    """keras-team/keras-hub#1029 (written blind, blind-vm; its fix was told real-tokens-masked) written another way: a
+    static-shape sampling loop keeps sampling rows that ended, and the scoring mask is cut after each row's end token
+    (the config's eos_token_id), the tokens past it masked on purpose: quiet. `--over-batch`: the exclusive cumsum runs
+    over the flattened batch, so the row after the one that ended loses its sampled text: said, at that row."""
+    name = "generated_rows_masked_past_their_end_token_then_scored"
+    status, found, report = traced(tmp_path, name, False, TOKENS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    status, found, report = traced(tmp_path, name, False, TOKENS, ("--over-batch",))
+    said = [f for f in found if f["code"] == "real-tokens-masked"]
+    assert status == 1 and said and " ".join(said[0]["message"].split()).startswith("batch row 2:"), report
+
+
+def test_past_the_end_against_a_loop_over_rows():
+    """padruns.past_the_end against a loop: a row's 0s to its end right after a kept token at the stated EOS id."""
+    from types import SimpleNamespace
+
+    from maskcli.checks.padruns import past_the_end
+
+    rng = np.random.default_rng(1)
+    top = SimpleNamespace(arguments={}, config=SimpleNamespace(eos_token_id=2))
+    for _ in range(300):
+        rows, length = rng.integers(1, 4), rng.integers(2, 8)
+        ids = rng.integers(0, 4, (rows, length))
+        given = (np.arange(length)[None, :] < rng.integers(0, length + 1, (rows, 1))).astype(np.int64)
+        if rng.random() < 0.3:
+            given[rng.integers(rows), rng.integers(length)] ^= 1
+        got = past_the_end(top, ids, given)
+        for b in range(rows):
+            kept = [j for j in range(length) if given[b, j] == 1]
+            last = kept[-1] if kept else None
+            want = [last is not None and j > last and ids[b, last] == 2 for j in range(length)]
+            assert got[b].tolist() == want, (ids, given)
+
+
+def test_keras_nlp_gpt2_output_mask_cumsum_taken_over_the_batch(tmp_path):
+    """keras-team/keras-hub#1029 (then keras-nlp; written blind, blind-vm): generate_step built the output padding mask
+    with an exclusive cumsum of the end locations and no axis, so the sum ran across the batch: row 1 ended at column
+    7, and the rows after it lost their tokens from there (their end never came). The reference: the first row
+    after the one that ended, row 2, is told. The fix's mask, cut after each row's own end token, is quiet."""
+    hit = check_bug(tmp_path, "keras_nlp_gpt2_generate_output_padding_mask_cumsum_over_batch", "real-tokens-masked")[0]
+    assert " ".join(hit["message"].split()).startswith("batch row 2:"), hit

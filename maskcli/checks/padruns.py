@@ -112,3 +112,22 @@ def positioned_padding(top, given: np.ndarray, at_pad: np.ndarray) -> np.ndarray
     lead = np.cumprod(~ones, axis=1).astype(bool)  # (each row's run of 0s at its start)
     counted = np.where(ones, np.cumsum(ones, axis=1) - 1, positions)
     return (lead == ~ones).all(axis=1) & (counted == positions).all(axis=1) & lead.any(axis=1)
+
+
+def past_the_end(top, ids: np.ndarray, given: np.ndarray) -> np.ndarray:
+    """Bool (B, L): each row's run of 0s to its end right after a token at the stated EOS id (the model's config, its
+    tokenizer) that the mask keeps: what a generate loop sampled past the row's end, masked on purpose, not text
+    (keras-hub#1029's fix: the output padding mask cut after each row's end token, then scored)."""
+    eos = {top.arguments.get(n) for n in ("eos_id", "tokenizer_eos_id")} | {getattr(top.config, "eos_token_id", None)}
+    eos = {e for e in eos if isinstance(e, int) and not isinstance(e, bool)}
+    rows, length = given.shape
+    kept = given == 1
+    last = length - 1 - np.argmax(kept[:, ::-1], axis=1)
+    ended = kept.any(axis=1) & (last < length - 1) & np.isin(ids[np.arange(rows), last], list(eos))
+    return ended[:, None] & (np.arange(length)[None, :] > last[:, None])
+
+
+def not_text(top, ids: np.ndarray, given: np.ndarray, at_pad: np.ndarray) -> np.ndarray:
+    """Bool (B, L): masked tokens the program's own statements call no text: padding by its positions
+    (`positioned_padding`), or sampled past a row's end (`past_the_end`)."""
+    return positioned_padding(top, given, at_pad)[:, None] | past_the_end(top, ids, given)

@@ -51,7 +51,7 @@ import numpy as np
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, real_queries
 from maskcli.checks.othermask import borrowed
-from maskcli.checks.padruns import at_bos, disagreeing, filler_kept, inside as _inside, positioned_padding
+from maskcli.checks.padruns import at_bos, disagreeing, filler_kept, inside as _inside, not_text
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.checks.sides import DECODER, ENCODER  # (a module path's decoder, encoder)
@@ -163,7 +163,7 @@ def tokens(run: Run) -> list:
         if len(found) == before:  # (rows that disagree on the pad run ending them: padruns.py)
             found += disagreeing(top, _calls(run, top, rows, length, unmasked=True), at_pad, given, pad_id, said)
         hidden = (given == 0) & ~at_pad & ~at_bos(ids, top, pad_id) \
-            & ~positioned_padding(top, given, at_pad)[:, None]  # (a later packed example's BOS, positions: padruns.py)
+            & ~not_text(top, ids, given, at_pad)  # (a later packed example's BOS, padding, past the end: padruns.py)
         if not _filler(at_pad, given, side) and any(len(np.unique(ids[b][hidden[b]])) >= 2
                                                     or _inside(hidden[b], given[b], ids[b]) for b in range(rows)):
             found += _masked(run, top, hidden, given, pad_id, said)
