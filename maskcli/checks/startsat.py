@@ -35,9 +35,10 @@ def starts(call, seen, placed, placed_at, source: str, unhanded: bool, absolute:
     that takes none numbers its columns by its own statement (a hand-written GPT's `arange`), and a library's
     generation loop that hands none (BART's, Whisper's decoder prompts) is the library's numbering, not the program's;
     or where the positions differ from row to row: the program placed each row's tokens itself, so one row's first
-    start placed apart from another's contradicts its own numbering; or where the model looks its positions up in a
-    table of absolute positions (`absolute`), whatever it was handed: a left-padded row numbered by column reads other
-    rows of the table than the same text unpadded (unsloth#4100: position_ids from the shared cache_position) (x-transformers 013e60a added each left-padded
+    start placed apart from another's contradicts its own numbering; or where the call was handed positions alike for
+    every row that the model looks up in a table of absolute positions (`absolute`): a left-padded row numbered by
+    column reads other rows of the table than the same text unpadded (unsloth#4100: position_ids from the shared
+    cache_position; the model's own numbering, handed none, stays its statement) (x-transformers 013e60a added each left-padded
     row's pad count to its positions where it meant to take it off); a later start in a row is a chunk's (Llama 4's
     chunked layers) or a packed sample's, not compared."""
     batch, _, q_len, k_len = call.shape
@@ -52,7 +53,7 @@ def starts(call, seen, placed, placed_at, source: str, unhanded: bool, absolute:
         both = placed[:, None, :] & placed[None, :, :]  # columns with the pads zeroed, SASRec's; then each row's
         numbered = (both & (placed_at[:, None, :] != placed_at[None, :, :])).any()  # first start alone, its
         if not numbered and not absolute:  # sequence's; a later one in the row
-            return None  # (`absolute`: positions handed the same in every row, each looked up in a table of absolute
+            return None  # (`absolute`: positions handed alike for every row, each looked up in a table of absolute
             # positions: a row's start placed by its padding is other text, unsloth#4100's cache_position)
         starts = starts[np.r_[True, starts[1:, 0] != starts[:-1, 0]]] if len(starts) else starts  # is a chunk's,
         # Llama 4's chunked layers, or a packed sample's, numbered on by its row's own statement)
