@@ -118,8 +118,9 @@ def past_the_end(top, ids: np.ndarray, given: np.ndarray) -> np.ndarray:
     """Bool (B, L): each row's run of 0s to its end right after a token at the stated EOS id (the model's config, its
     tokenizer) that the mask keeps: what a generate loop sampled past the row's end, masked on purpose, not text
     (keras-hub#1029's fix: the output padding mask cut after each row's end token, then scored)."""
-    eos = {top.arguments.get(n) for n in ("eos_id", "tokenizer_eos_id")} | {getattr(top.config, "eos_token_id", None)}
-    eos = {e for e in eos if isinstance(e, int) and not isinstance(e, bool)}
+    said = [top.arguments.get(n) for n in ("eos_id", "tokenizer_eos_id")] + [getattr(top.config, "eos_token_id", None)]
+    eos = {e for one in said for e in (one if isinstance(one, (list, tuple)) else (one,))  # (Llama 3's config: a list)
+           if isinstance(e, int) and not isinstance(e, bool)}
     rows, length = given.shape
     kept = given == 1
     last = length - 1 - np.argmax(kept[:, ::-1], axis=1)
