@@ -133,3 +133,24 @@ def test_an_mlx_ports_decode_offset_counting_generated_tokens_only_is_found(tmp_
     inside the prompt's 0..6. The fix (prompt length + generated) quiet."""
     found = check_bug(tmp_path, "mlx_port_offset_counts_generated_tokens_only", "positions-inside-cache", HERE)
     assert tuple(found[0]["cell"]) == (0, 0, _first_key_at_or_after(list(range(7)), 1))
+
+
+def test_tiny_llm_draft_steps_numbered_at_the_first_drafts_position_are_found(tmp_path):
+    """skyzh/tiny-llm 4bd66e0, #83 (written blind, blind-vk; missed before): draft_generate handed every drafted token
+    the same `offset`, so from the second draft on each query sat at the first draft's position while the draft cache
+    held that draft's key there. Judged against every key the steps since the prefill cached, each at the position its
+    step stated (the prefill alone says nothing: the first draft is right). The fix (current_offset += 1) quiet."""
+    found = check_bug(tmp_path, "tinyllm_speculative_draft_generate_offset_not_advanced", "positions-inside-cache")
+    prompt = 7  # (the draft's prefill: positions 0..6; the first draft cached at 7)
+    assert tuple(found[0]["cell"]) == (0, 0, _first_key_at_or_after(list(range(prompt + 1)), prompt))
+    assert "a real token step 1 cached at position 7" in " ".join(found[0]["message"].split())
+
+
+def test_a_start_pos_frozen_after_the_first_decode_step_is_found(tmp_path):
+    """Written another way: Meta's-Llama-style `forward(tokens, start_pos)` with a cache grown by torch.cat; the greedy
+    loop computes the first new token's position once and hands it to every step. Step 2's query sits at 6 and sees
+    key 6, step 1's own. The fix (start_pos + step) quiet."""
+    found = check_bug(tmp_path, "decode_start_pos_frozen_after_first_step", "positions-inside-cache", HERE)
+    prompt = 6
+    assert tuple(found[0]["cell"]) == (0, 0, _first_key_at_or_after(list(range(prompt + 1)), prompt))
+    assert f"is at position {prompt} (start_pos of Attention.forward)" in " ".join(found[0]["message"].split())

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from maskcli.checks.heldzero import zeroed_as_real
+from maskcli.checks.heldzero import named_other_way, zeroed_as_real
 from maskcli.trace.zerokeys import zero_keys
 
 
@@ -38,3 +38,28 @@ def test_the_keys_a_padding_name_calls_real_zeroed_say_it_is_a_keep_mask():
     assert zeroed_as_real(call, real, padded, 0)
     assert not zeroed_as_real(SimpleNamespace(details={"zero_keys": table}), real, padded, 0)
     assert not zeroed_as_real(SimpleNamespace(details={}), real, padded, 0)
+
+
+def _run(*helds_per_call):
+    calls = [SimpleNamespace(details={"held_padding": list(helds)}) for helds in helds_per_call]
+    return SimpleNamespace(calls=calls, cross=[])
+
+
+def test_a_padding_name_the_program_hands_on_as_a_keep_mask_says_its_padding_names_are_keep_masks():
+    """KerasHub's BART (quiet-r138a, a false alarm before): `padding_mask` and `encoder_padding_mask` are True = real
+    there, and the decoder's `decoder_padding_mask` is held elsewhere as `mask` (a keep name) with the very same rows:
+    the program's padding names follow the other convention, so none of them states padding the kernel contradicts.
+    A table named as padding whose rows no keep name holds, in a program where no padding name is held so, still
+    states padding; a keep-named table is not read through the padding names' convention."""
+    source = np.array([[True] * 5 + [False] * 3, [True] * 2 + [False] * 6])
+    target = np.array([[True, True, False], [True, True, True]])
+    encoder = {"kind": "pad", "name": "padding_mask", "rows": source}
+    decoder = {"kind": "pad", "name": "decoder_padding_mask", "rows": target}
+    handed = {"kind": "keep", "name": "mask", "rows": target.copy()}
+    assert named_other_way(_run([encoder, decoder], [handed]), encoder)
+    assert named_other_way(_run([encoder, decoder], [handed]), decoder)
+    assert not named_other_way(_run([encoder, decoder]), encoder)  # (no name of the other way holds any of them)
+    other = {"kind": "pad", "name": "pad_mask", "rows": source}  # (not of the `padding_mask` family)
+    assert not named_other_way(_run([other, decoder], [handed]), other)
+    keep = {"kind": "keep", "name": "attention_mask", "rows": source}
+    assert not named_other_way(_run([keep, decoder], [handed]), keep)

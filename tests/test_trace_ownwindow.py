@@ -48,3 +48,23 @@ def test_kind_reads_the_innermost_word_where_a_config_states_the_window():
     assert Intent([hf, full]).kind(1) == ("sliding_attention", "max_window_layers=1", False)
     # no window stated: the module's word alone expects nothing
     assert Intent([full]).kind(0) == ("full_attention", "no sliding_window, layer_types or attention_chunk_size", False)
+
+
+class _KerasHubAttention(torch.nn.Module):
+    def __init__(self, index):
+        super().__init__()
+        self.use_sliding_window_attention = index % 6 < 5  # (KerasHub's Gemma 3 backbone: five local, one global)
+        self.sliding_window_size = 6
+
+
+def test_kerashubs_per_layer_use_sliding_window_attention_is_its_word():
+    """KerasHub's Gemma 3 (written blind, quiet-r139a, a false alarm before: window-missing on layer 5): its config dict
+    states `use_sliding_window_attention=True` and `sliding_window_size` for the model, and each attention module holds
+    its own `use_sliding_window_attention`, False on every sixth layer. That module's word decides its kind."""
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList(_KerasHubAttention(i) for i in range(7))})
+    said = {one.scope: one.fields["layer_slides"] for one in own_windows(model, _path(model))}
+    assert said == {f"layers.{i}": i % 6 < 5 for i in range(7)}
+    config = Stated("CONFIG", "", {"sliding_window_size": 6, "use_sliding_window_attention": True,
+                                   "transformers": False})
+    for i, one in enumerate(own_windows(model, _path(model))):
+        assert Intent([config, one]).kind(i)[0] == ("sliding_attention" if i % 6 < 5 else "full_attention")

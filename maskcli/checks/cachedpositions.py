@@ -120,17 +120,64 @@ def _past(call, head, held: dict, gap: tuple) -> Finding:
         source=f"{held['name']} of {head.details['query_positions']['function']} at step {head.step}")
 
 
+def _inside(call, head, held: dict, hit: tuple, cache: tuple, by: list | None = None) -> Finding:
+    b, q, k, at = hit
+    cached, real = cache
+    asked = _rows(held, real.shape[0])
+    count = int(real[b].sum())
+    by = f"the prefill at step {head.step}" if by is None or k < head.shape[3] else f"step {by[k]}"
+    return Finding("positions-inside-cache", (
+        f"batch row {b}: query {q} of step {call.step} is at position {int(asked[b, q])} ({held['name']} of "
+        f"{held['function']}), yet it sees key {k}, a real token {by} cached at position {at}: the step's positions "
+        f"start inside the cache's, not after its {count} real tokens (numbered from fewer tokens than the cache "
+        f"holds?)"),
+        expected=f"position {int(cached[b][real[b]].max()) + 1} or after",
+        source=f"{held['name']} of {head.details['query_positions']['function']} at step {head.step}",
+        cell=(b, q, k))
+
+
+def _grown(call, grown: tuple | None) -> tuple:
+    """(hit or None, the cache as grown): a step that adds its own keys after a cache longer than its site's prefill
+    (earlier steps appended, each numbered as its positions stated) judged against every key cached so far, with the
+    cache first (the layout a cache that grows has); the cache grown by its positions where it holds and no query
+    errs; None from a step that does not append (a window, a rewind, positions not stated) to the next prefill."""
+    held = call.details.get("query_positions")
+    cells = keep(call)
+    if grown is None or held is None or cells is None:
+        return None, None
+    cached, real, steps = grown
+    q_len, k_len = call.shape[2:]
+    batch = real.shape[0]
+    asked = _rows(held, batch)
+    if k_len != real.shape[1] + q_len or max(call.shape[0], cells.shape[0]) != batch or asked is None \
+            or not _applied(call, asked):
+        return None, None
+    seen = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
+    holds, hit, _ = _judge(seen, real, asked, cached, q_len, 0, k_len - q_len)
+    if not holds:
+        return None, None
+    return hit, (np.concatenate([cached, asked], axis=1), np.concatenate([real, seen.any(axis=2)], axis=1),
+                 steps + [call.step] * q_len)
+
+
 def check(run: Run) -> list:
     """Each cached step that states its queries' positions, against its site's latest prefill that stated its own."""
     found = []
     for where, calls in run.sites().items():
-        prefill, next_one = None, False
+        prefill, next_one, grown = None, False, None
         for call in calls:
             q_len, k_len = call.shape[2:]
             if q_len == k_len:
                 read = _prefill(call)
                 prefill, next_one = None if read is None else (call, *read), True
+                grown = None if read is None else (*read, [call.step] * k_len)
                 continue
+            before = grown
+            hit, grown = _grown(call, grown)
+            if hit is not None and prefill is not None and before[1].shape[1] > prefill[2].shape[1]:
+                found.append((call, _inside(call, prefill[0], call.details["query_positions"], hit, before[:2],
+                                            before[2])))
+                break  # (keys the steps since the prefill cached, seen by a query numbered at or before them)
             first, next_one = next_one, False  # (the site's first step after its prefill)
             if prefill is not None and k_len < prefill[2].shape[1] + q_len:
                 prefill = None  # (fewer keys than the prefill's and its own: a window, a cache cut back or begun anew
@@ -151,7 +198,7 @@ def check(run: Run) -> list:
                     for start, own in _layouts(q_len, k_len, real.shape[1])]
             holding = [one for one in said if one[0]]
             if holding and not any(sees for _, _, sees in holding):
-                prefill = None  # (no real query sees a key the prefill cached, whatever the layout: a cache begun anew
+                prefill = grown = None  # (no real query sees a key the prefill cached, whatever the layout: a cache begun anew
                 continue  # over the site's fixed columns, DeepSparse's next prompt; its later steps are not the prefill's)
             said = [hit for holds, hit, _ in said if holds]
             if first and said and all(hit is None for hit in said) and k_len == real.shape[1] + q_len:
@@ -161,16 +208,7 @@ def check(run: Run) -> list:
                     break
             if not said or any(hit is None for hit in said):
                 continue
-            b, q, k, at = said[0]
-            count = int(real[b].sum())
-            found.append((call, Finding("positions-inside-cache", (
-                f"batch row {b}: query {q} of step {call.step} is at position {int(asked[b, q])} ({held['name']} of "
-                f"{held['function']}), yet it sees key {k}, a real token the prefill at step {head.step} cached at "
-                f"position {at}: the step's positions start inside the cache's, not after its {count} real tokens "
-                f"(numbered from fewer tokens than the cache holds?)"),
-                expected=f"position {int(cached[b][real[b]].max()) + 1} or after",
-                source=f"{held['name']} of {head.details['query_positions']['function']} at step {head.step}",
-                cell=(b, q, k))))
+            found.append((call, _inside(call, head, held, said[0], (cached, real))))
             break  # (once a site: every later step repeats it)
     return found
 

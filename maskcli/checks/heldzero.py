@@ -45,8 +45,17 @@ def own_called_padding(run, call, real: np.ndarray, padded: np.ndarray, at: int)
 
 
 def named_other_way(run, held: dict) -> bool:
-    """Whether the run holds `held`'s rows (a "keep" or "pad" table) at some call under a name of the other way round."""
+    """Whether the run holds `held`'s rows (a "keep" or "pad" table) at some call under a name of the other way round;
+    or another table named as padding the way `held` is (`decoder_padding_mask` beside `padding_mask`), held elsewhere
+    under a name of the other way round: the program's padding names follow the other convention (KerasHub's
+    `padding_mask`, True = real, handed on as `mask`)."""
     other = {"keep": "pad", "pad": "keep"}.get(held["kind"])
-    return other is not None and any(
-        one["kind"] == other and one["rows"].shape == held["rows"].shape and np.array_equal(one["rows"], held["rows"])
-        for call in (*run.calls, *run.cross) for one in call.details.get("held_padding") or ())
+    if other is None:
+        return False
+    helds = [one for call in (*run.calls, *run.cross) for one in call.details.get("held_padding") or ()]
+    turned = {(one["rows"].shape, one["rows"].tobytes()) for one in helds if one["kind"] == other}
+    if not turned:
+        return False
+    family = held["kind"] == "pad" and held["name"].endswith("padding_mask")
+    same = [held] + [one for one in helds if family and one["kind"] == "pad" and one["name"].endswith("padding_mask")]
+    return any((one["rows"].shape, one["rows"].tobytes()) in turned for one in same)

@@ -21,6 +21,7 @@ from maskcli.checks.heldcells import given_up
 from maskcli.checks.rerun import causal_on_real, rerun_passes
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
+from maskcli.checks.rowcausal import rows_lost
 from maskcli.checks.stepcells import filling, held_after_own, placed_past_written, reaches_back, windowed
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -299,6 +300,7 @@ def causal_lost(run: Run) -> list:
             if not rerun:
                 continue  # no step behind a cache nor a prefix run again: independent calls (masks built in a loop,
                 # one line for all), no prefill
+        found += rows_lost(where, calls)  # (a pass causal in one batch row alone: rowcausal.py)
         if sum(1 for call in calls if 2 <= call.shape[2] == call.shape[3]) \
                 + any(2 <= call.shape[2] < call.shape[3] for call in calls) < 2:
             continue  # (one pass of many queries at most, and no chunk of them behind a cache: no causal call before

@@ -1,4 +1,5 @@
-"""Each layer's own word on whether it slides: a module's bool `is_sliding`, else its own `sliding_window` (an int > 0:
+"""Each layer's own word on whether it slides: a module's bool `is_sliding` (or KerasHub's
+`use_sliding_window_attention`), else its own `sliding_window` (an int > 0:
 it slides; None: it does not), read for the calls at or under it (the innermost module's word: checks/intent.py).
 
 transformers' Gemma 2 attention keeps `self.sliding_window = config.sliding_window if not bool(layer_idx % 2) else
@@ -11,7 +12,8 @@ decides); Intent.kind reads it only where a config states the window, and never 
 
 from __future__ import annotations
 
-FLAG = "is_sliding"
+FLAGS = ("is_sliding", "use_sliding_window_attention")  # (KerasHub's Gemma 2 / 3 attention holds the second, per layer:
+# `sliding_window = use_sliding_window_attention and (i % 6 < 5)` in its backbone)
 WINDOW = "sliding_window"
 
 
@@ -24,8 +26,9 @@ def own_windows(root, path) -> list:
         scope, own = path(module), vars(module)
         if scope is None:
             continue
-        if type(own.get(FLAG)) is bool:
-            value, name = own[FLAG], FLAG
+        flag = next((name for name in FLAGS if type(own.get(name)) is bool), None)
+        if flag is not None:
+            value, name = own[flag], flag
         elif WINDOW in own and (own[WINDOW] is None or type(own[WINDOW]) is int):
             value, name = own[WINDOW] is not None and own[WINDOW] > 0, WINDOW
         else:
