@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkbugs import check_bug, traced
+from checkbugs import BUGS, check_bug, traced
 from maskcli.trace.capture import Trace
 
 POOLEDPAD = Path(__file__).parent / "data" / "pooledpad"
@@ -170,3 +170,28 @@ def test_one_requests_heads_pooled_beside_every_requests_lengths_are_quiet(tmp_p
     the heads the pooled rows are, so no row of it is padding."""
     status, found, report = traced(tmp_path, "decode_loop_pools_each_requests_heads", False, POOLEDPAD)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_espnet_location_aware_attention_over_padded_encoder_frames(tmp_path):
+    """espnet/espnet#397 (written blind, blind-vs; missed before): AttLoc scored every frame of the padded encoder batch
+    with a tanh MLP (no q @ kᵀ) and softmaxed over all of them; the weights pool `enc_h * w.view(B, T, 1)`. A pooling
+    of one query a row, in a model call that attends by no other call, over rows the frames' `enc_hs_len` lies over, is
+    recorded as a call (trace/poolweights.attended): row 1 (5 of 10 frames) weighs its padding. The fix (masked_fill
+    with -inf) quiet, its call named key padding."""
+    found = check_bug(tmp_path, "espnet_rnn_attloc_padded_encoder_frames_in_softmax", "pooled-over-padding")
+    lengths = [10, 5]
+    first_pad = next((b, k) for b in range(2) for k in range(10) if k >= lengths[b])  # the reference: a plain loop
+    assert tuple(found[0]["cell"]) == (first_pad[0], 0, first_pad[1])
+    status, _, report = traced(tmp_path, "espnet_rnn_attloc_padded_encoder_frames_in_softmax", True, BUGS)
+    assert "(2,1,1,10)  padding (--lengths 10,5)" in report
+
+
+def test_a_bahdanau_decoder_whose_source_mask_is_never_applied_is_found(tmp_path):
+    """Written another way: the PyTorch seq2seq tutorial's additive attention (`v^T tanh(W [s; h])`) over a
+    right-padded source, `make_src_mask` built and handed to the attention, never filled in. Its calls (one query a
+    row over 7 source positions) are a cross-attention that sees every key: named full, not a causal decode step. The
+    fix (masked_fill(mask == 0, -1e10)) quiet."""
+    found = check_bug(tmp_path, "bahdanau_gru_decoder_src_mask_never_applied", "pooled-over-padding", POOLEDPAD)
+    assert tuple(found[0]["cell"]) == (1, 0, 4)  # (row 1 holds 4 tokens of 7: position 4 its first pad)
+    _, _, report = traced(tmp_path, "bahdanau_gru_decoder_src_mask_never_applied", False, POOLEDPAD)
+    assert "(3,1,1,7)  full" in report

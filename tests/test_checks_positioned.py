@@ -665,3 +665,11 @@ def test_codeparrot_gpt2_left_padded_completion_numbered_from_the_first_column(t
     hit = check_bug(tmp_path, "codeparrot_gpt2_left_padded_batch_completion_positions_from_zero", "positions-vs-keys")[0]
     assert f"batch row 2: query {pads} starts a sequence (it sees only itself, and the next query sees it) at position " \
         f"{pads}, where batch row 1's query 0 starts one at 0" in " ".join(hit["message"].split()), hit
+
+
+def test_mlx_vlm_qwen3_omni_thinker_decode_rotated_at_position_zero(tmp_path):
+    """Blaizzy/mlx-vlm#1983 (fixed by #1993; written blind, blind-wa, caught before any rule changed for it): the thinker
+    rebuilt its positions with get_rope_index on every call, so each cached decode token was rotated at position 0
+    beside a 40-token prompt. The reference: the first decode step sees the prompt's 40 keys and its own."""
+    hit = check_bug(tmp_path, "mlx_vlm_qwen3_omni_thinker_decode_rope_position_zero", "positions-vs-keys")[0]
+    assert "query 0 of this cached step sees 41 keys" in " ".join(hit["message"].split()), hit

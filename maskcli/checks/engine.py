@@ -72,9 +72,9 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
 def findings(run: Run) -> list:
     """(call, Finding) of every rule written in this package that reads calls, sites or steps."""
     attending = {call.where for call in run.calls if masked_somewhere(call) or "documents" in call.details
-                 or over_stated_padding(call, run)}
+                 or "additive_pool" in call.details or over_stated_padding(call, run)}
     # (a site that masks once is attention; so is one handed documents, full as its call may be: varlen.py; so is a
-    # softmax over the model call's padded tokens: arguments.py)
+    # softmax over the model call's padded tokens: arguments.py; and additive attention, trace/poolweights.attended)
     reweighed = [call for call in run.calls if "over_weights" in call.details]  # (a softmax over an earlier one's
     # weights: no mask handed to it, nor its padding; judged against that softmax's mask alone, weighted.py)
     calls = [call for call in run.calls if call.where in attending and "over_weights" not in call.details]

@@ -31,7 +31,7 @@ def pooled_padding(run: Run) -> list:
     padding as it pooled, every way that padding may lie."""
     found = []
     for top in run.tops:
-        made = run.made_by(top) if top.pools else ()
+        made = run.made_by(top) or _additive(run, top) if top.pools else ()
         for pool in top.pools if made else ():
             hit = _judged(pool, stated(top, *pool["weighed"].shape) or held_by(made, *pool["weighed"].shape),
                           top.arguments.get("pad_id"))
@@ -45,6 +45,12 @@ def pooled_padding(run: Run) -> list:
                 found.append((call, hit))
                 break
     return found
+
+
+def _additive(run: Run, top) -> list:
+    """The additive attention calls `top` made (trace/poolweights.attended: cross-attention, set apart by engine.py),
+    where it made no other: its poolings are those calls'."""
+    return [call for call in run.cross if top.first <= call.index < top.end and "additive_pool" in call.details]
 
 
 def _judged(pool: dict, said: tuple | None, pad_id) -> Finding | None:

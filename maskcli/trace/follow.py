@@ -21,7 +21,7 @@ from maskcli.trace.mode import Mode, building, has_values
 from maskcli.trace.after import MULS
 from maskcli.trace.permuted import GATHERS, noted
 from maskcli.trace.pooled import Pooled
-from maskcli.trace.poolweights import Pool, weighting
+from maskcli.trace.poolweights import Pool, attended, weighting
 from maskcli.trace.posbias import bias_of
 from maskcli.trace.ranked import TOPS, Ranked
 from maskcli.trace.overflow import IN_PLACE, WATCHED
@@ -321,7 +321,7 @@ class Follow:
             self.rotations.note(args, out)  # keeps it in poolweights.weighs_or: a rotary factor, trace/rotated.py)
         if func in MULS and self._pooled is not None and self._pooled.held and not self.busy:
             pool = weighting(self._pooled, args)  # (weights weighing values over their own axis: poolweights.py)
-            if pool is not None:
+            if pool is not None and not attended(self, pool, args, kwargs):  # (additive attention: a call of its own)
                 pool.keep(self)
         if func in DISCARDED and self._pooled is not None and self._pooled.held and not self.busy:
             self._pooled.filled(args, out)  # (weights with positions filled out of their pooling: pooled.py)

@@ -33,7 +33,7 @@ def weighs_or(trace, wanted):
             if any(type(x) is torch.Tensor and (id(x) in held or x._base is not None and id(x._base) in held)
                    for x in args):
                 pool = weighting(pooled, args)
-                if pool is not None:
+                if pool is not None and not attended(trace, pool, args, kwargs):  # (additive attention: a call)
                     pool.keep(trace)
         return wanted(args, kwargs, out)
 
@@ -128,3 +128,53 @@ class Pool:
             trace.busy = False
         found.append({"axis": self.axis, "shape": tuple(int(n) for n in self.weights.shape), "how": self.how,
                       "weighed": weighed, "held": held or ()})
+
+
+def attended(trace, pool: Pool, args: tuple, kwargs: dict) -> bool:
+    """Record additive attention as a call: a pooling whose weights are one query a batch row over positions a padding
+    the program's frames hold lies over (Bahdanau's and ESPnet's location-aware attention: scores from a tanh MLP, no
+    q @ kᵀ, a softmax over the encoder's frames, then `sum(enc_h * w.view(B, T, 1), dim=1)`), in a model call that has
+    made no attention call but such ones. The call is (B, 1, 1, T), its mask the positions given a weight above
+    WEIGHED; its pooling is kept with it (checks/pooledpad.py judges it). Whether it was recorded."""
+    held = trace._local.outer
+    calls = getattr(trace, "_calls", ())
+    if held is not None and not all("additive_pool" in call.details for call in calls[held[5]:]):
+        return False  # (a model call that attends by q @ kᵀ: its poolings are heads over its output, kept as before)
+    weights = pool.weights
+    moved = weights.movedim(pool.axis, -1)
+    rows, length = int(moved.shape[0]), int(moved.shape[-1])
+    if moved.numel() != rows * length or length < 2:
+        return False  # (several queries a row: attention's own rows, read by the softmax reader where it is one)
+    from maskcli.trace.held import padding
+
+    trace.busy = True
+    try:
+        said = padding()
+    except (Exception, SystemExit):  # noqa: BLE001 - a frame that cannot be read states nothing
+        said = None
+    finally:
+        trace.busy = False
+    if not any(one["kind"] in ("keep", "pad", "lengths") and len(one["rows"]) == rows for one in said or ()):
+        return False  # (no padding over its rows: a pooling no mask could change, kept as a pooling)
+    trace.capture(_additive_reader(weights, pool), args, kwargs)
+    pool.keep(trace)
+    return True
+
+
+def _additive_reader(weights: torch.Tensor, pool: Pool):
+    from maskcli.trace.masks import Seen, _dtype
+
+    def read(args: tuple, kwargs: dict):
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            moved = weights.detach().movedim(pool.axis, -1)
+            keep = (moved.reshape(moved.shape[0], 1, 1, moved.shape[-1]) > WEIGHED).cpu()
+        shape = tuple(int(n) for n in keep.shape)
+        seen = Seen("softmax", shape, tuple(int(n) for n in weights.shape), (), (), _dtype(weights), str(weights.device),
+                    details={"additive_pool": {"how": pool.how, "axis": pool.axis},
+                             "cross": {"cross": True, "by": "scores", "source": "additive attention: one query a batch "
+                                       "row weighing the positions of the values it pools"}})
+        seen.keep = keep
+        return seen
+
+    read.api = "softmax"
+    return read

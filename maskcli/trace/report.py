@@ -138,6 +138,9 @@ def _named(calls: list, run=None) -> Group:
             group = Group(calls, name, structure.expression)
             if top_left_is_causal(first, q_len, k_len):  # one row of is_causal: its query 0 sees key 0 only,
                 group = Group(calls, "causal" + flags({"kv_len": k_len}, q_len, k_len), "causal")  # no decode step's mask
+            elif structure.expression == "causal" and q_len == 1 and not _decode_step(calls):
+                group = Group(calls, "full" + flags(structure.options, q_len, k_len), "full")  # (one query of a
+                # cross-attention that sees every key: no position of its among them, so no causal step's)
             elif structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
                 window = _decode_window(keep4, given)  # and one query at the last position sees what causal lets it
                 padded = {key: value for key, value in structure.options.items() if key in PADDING}
