@@ -17,6 +17,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep, queries, real_queries
 from maskcli.checks.registry import Rule
+from maskcli.checks.ringed import rolled
 from maskcli.text import Finding
 
 
@@ -120,11 +121,11 @@ def pad_ids_unmasked(run: Run) -> list:
 def left_padding_attended(run: Run) -> list:
     """Calls whose real queries see a key slot every left padding the program holds there (`left_padding`, a batch
     cache's `left_padding`) calls padding."""
-    found, done = [], {}
+    found, done, ring = [], {}, rolled(run)
     square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
     for call in [*run.calls, *square]:
         helds = [h for h in call.details.get("held_padding") or () if h["kind"] == "left"]
-        if not helds or call.stored is None or cross(call):
+        if not helds or call.stored is None or cross(call) or call.index in ring:  # (a ring's slots: ringed.py)
             continue
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
         key = (call.mask, call.shape, tuple(h["rows"].tobytes() for h in helds))

@@ -21,6 +21,7 @@ from maskcli.checks.heldcells import given_up
 from maskcli.checks.rerun import causal_on_real, rerun_passes
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
+from maskcli.checks.ringed import rolled
 from maskcli.checks.rowcausal import rows_lost
 from maskcli.checks.stepcells import filling, held_after_own, placed_past_written, reaches_back, windowed
 from maskcli.checks.registry import Rule
@@ -107,10 +108,12 @@ def sites(run: Run) -> list:
     """Each decode step against the latest prefill (its first query at position 0) before it at its site: a later
     prefill is a new sequence (another batch, an encoder called again with another mask), not a step behind the
     cache."""
-    found, judged = [], {}
+    found, judged, ring = [], {}, rolled(run)
     for where, calls in run.sites().items():
         head = shown = None
         for call in calls:
+            if call.index in ring:
+                continue  # (a ring's slots, overwritten since the prefill: no column is its token then, ringed.py)
             later_top, own, positions = run.placed(call)
             if own[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
                 head, shown, done, written = call, prefill_once(run, call, later_top), {call.mask}, set()
