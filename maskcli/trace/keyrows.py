@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from maskcli.trace.hostview import host
+
 MOST = 1 << 16  # elements of head 0's keys read at most (B * Lk * D)
 KEPT = 2048  # numbers kept per call at most (B * Lk: a batch of short hypotheses; float32, 8 KiB)
 _WEIGHTS: dict[tuple, np.ndarray] = {}
@@ -41,7 +43,7 @@ def key_rows(k: torch.Tensor, turned: bool = False) -> np.ndarray | None:
         n, d = (c, a) if turned else (a, c)
         if b < 2 or n < 2 or b * n * d > MOST or b * n > KEPT:
             return None
-        head = (k.detach() if k.requires_grad else k)[:, 0].numpy()
+        head = host(k)[:, 0]
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states nothing
         return None
     weights = _weights(d, head.dtype)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from maskcli.trace.embedids import hash_weights
+from maskcli.trace.hostview import host
 
 ROWS = 1024  # keys of batch row 0's first head read at most per call
 DIGITS = 3  # decimals of a row's direction within its pairs (its lookup key)
@@ -63,7 +64,7 @@ def keys_rescaled(k: torch.Tensor, k_shape: tuple) -> dict:
             # place; not the query count: Hugging Face packs a GQA decode's heads into the query axis)
         with np.errstate(all="ignore"):  # (a cache's unwritten slots, torch.empty's: whatever they hold squares to inf
             # or NaN, which numpy would warn of under the program's line; its own numpy is left as it was)
-            before, now = np.square(last[0].detach()[0, 0].numpy()), np.square(k.detach()[0, 0].numpy())
+            before, now = np.square(host(last[0])[0, 0]), np.square(host(k)[0, 0])
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states no key
         return {}
     if before.shape[1] != now.shape[1]:

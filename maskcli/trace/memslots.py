@@ -15,6 +15,8 @@ import re
 import numpy as np
 import torch
 
+from maskcli.trace.hostview import host
+
 MASK = re.compile(r"^(?:\w+_)?masks?$")  # (`mask`, `memory_mask`: 1 = a valid slot; a padding mask's name is not read)
 PAD = re.compile(r"(?:^|_)(?:pad|padding)_masks?$")
 MOST = 1 << 20  # elements of one argument read at most
@@ -31,7 +33,7 @@ def memory_slots(given: dict) -> dict:
                     and data.numel() <= MOST and data.device.type != "meta"]
         if not memories:  # (shapes first: the mask's values are read only beside a memory of its slots)
             continue
-        rows = mask.detach().cpu().numpy()
+        rows = host(mask)
         if not np.isin(rows, (0, 1)).all():
             continue
         valid = rows != 0

@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from maskcli.trace.hostview import host
+
 KEPT = 64  # buffers whose checksums are kept at once (more: the oldest goes)
 GAPS = 4096  # empty slots kept a row (checks/cache.py says the first it sees, and counts those)
 _SEEN: dict = {}  # (storage address, shape) -> (B, S) checksums of K and of V at that buffer's last call
@@ -83,7 +85,7 @@ def _column(t: torch.Tensor) -> np.ndarray:
     """A copy of head 0's first dimension of every slot of a 4-D tensor, (B, S), as float32 or float64 cells."""
     if t.dtype == torch.bfloat16:
         return t[:, 0, :, 0].float().numpy().copy()
-    return (t.detach() if t.requires_grad else t).numpy()[:, 0, :, 0].copy()
+    return host(t)[:, 0, :, 0].copy()
 
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

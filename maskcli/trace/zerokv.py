@@ -23,6 +23,8 @@ import ctypes
 import numpy as np
 import torch
 
+from maskcli.trace.hostview import host
+
 SPANS = 64  # zero query spans kept per batch row (more: the row is left out, as unread)
 
 
@@ -184,7 +186,7 @@ def _cpu(t: torch.Tensor) -> np.ndarray | None:
     """A CPU tensor's cells as a numpy view (no copy), 4-D; None elsewhere (a GPU's, bfloat16, a subclass)."""
     if not t.is_cpu or t.dtype not in _NUMPY or type(t) is not torch.Tensor:
         return None
-    cells = (t.detach() if t.requires_grad else t).numpy()
+    cells = host(t)
     return cells if cells.ndim == 4 else cells[None]
 
 
@@ -203,7 +205,7 @@ def _bounds(mask, is_causal: bool, q_len: int, k_len: int) -> list | None:
     from maskcli.inspect.polarity import SENTINEL_AT_MOST
 
     try:
-        cells = (mask.detach() if mask.requires_grad else mask).numpy()
+        cells = host(mask)
     except (RuntimeError, TypeError):
         return None
     if cells.dtype != bool:
@@ -352,7 +354,7 @@ def _edge_may_be_zero(k: torch.Tensor, length: int) -> bool:
     """Whether the first or the last key of some row and head is 0 in its first dimension (a key zero in every
     dimension is): on the CPU read through numpy (about two microseconds; torch's ops cost several each)."""
     if k.is_cpu and k.dtype in _NUMPY:
-        ends = (k.detach() if k.requires_grad else k).numpy()[..., :: length - 1, 0]
+        ends = host(k)[..., :: length - 1, 0]
         return np.count_nonzero(ends) < ends.size
     with torch.no_grad():
         return bool((k[..., :: length - 1, 0] == 0).any())
