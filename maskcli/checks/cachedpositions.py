@@ -120,12 +120,14 @@ def _past(call, head, held: dict, gap: tuple) -> Finding:
         source=f"{held['name']} of {head.details['query_positions']['function']} at step {head.step}")
 
 
-def _inside(call, head, held: dict, hit: tuple, cache: tuple, by: list | None = None) -> Finding:
+def _inside(call, head, held: dict, hit: tuple, cache: tuple, steps: list | None = None) -> Finding:
+    """positions-inside-cache's finding: `hit` (b, q, k, cached position), `cache` (positions, real) as judged,
+    `steps` the step that cached each of its columns (None: the prefill's alone)."""
     b, q, k, at = hit
     cached, real = cache
     asked = _rows(held, real.shape[0])
     count = int(real[b].sum())
-    by = f"the prefill at step {head.step}" if by is None or k < head.shape[3] else f"step {by[k]}"
+    by = f"the prefill at step {head.step}" if steps is None or k < head.shape[3] else f"step {steps[k]}"
     return Finding("positions-inside-cache", (
         f"batch row {b}: query {q} of step {call.step} is at position {int(asked[b, q])} ({held['name']} of "
         f"{held['function']}), yet it sees key {k}, a real token {by} cached at position {at}: the step's positions "

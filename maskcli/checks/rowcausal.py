@@ -22,7 +22,7 @@ def rows_lost(where: str, calls: list) -> list:
     for n, call in enumerate(calls):
         if 2 <= call.shape[2] == call.shape[3]:
             cells = keep(call)
-            if cells is not None and cells.ndim == 4 and cells.shape[0] > 1 and cells.any(axis=-1).all():
+            if cells is not None and cells.ndim == 4 and cells.any(axis=-1).all():
                 lost = causal_row_lost(where, call, cells, calls[n + 1:])
                 if lost is not None:
                     return [(call, lost)]

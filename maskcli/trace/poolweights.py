@@ -138,8 +138,9 @@ def attended(trace, pool: Pool, args: tuple, kwargs: dict) -> bool:
     WEIGHED; its pooling is kept with it (checks/pooledpad.py judges it). Whether it was recorded."""
     held = trace._local.outer
     calls = getattr(trace, "_calls", ())
-    if held is not None and not all("additive_pool" in call.details for call in calls[held[5]:]):
-        return False  # (a model call that attends by q @ kᵀ: its poolings are heads over its output, kept as before)
+    if held is not None and len(calls) > held[5] and "additive_pool" not in calls[-1].details:
+        return False  # (a model call that attends by q @ kᵀ: its poolings are heads over its output, kept as before;
+        # its latest call says so, since no additive call is recorded after another kind in one model call)
     weights = pool.weights
     moved = weights.movedim(pool.axis, -1)
     rows, length = int(moved.shape[0]), int(moved.shape[-1])
