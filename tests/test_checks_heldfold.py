@@ -28,3 +28,21 @@ def test_padded_batch():
     assert padded_batch(np.array([[1, 1, 1], [0, 1, 1]], dtype=bool), False)
     assert not padded_batch(np.array([[1, 1, 1], [0, 0, 0]], dtype=bool), False)  # (a row with no real token)
     assert not padded_batch(np.array([[1, 0, 1], [1, 1, 1]], dtype=bool), False)  # (not one run at an edge)
+
+
+def test_beyond_batch_reads_a_first_axis_folded_with_the_module_heads():
+    """fairseq's MultiheadAttention lays `bsz * num_heads` rows on the first axis (heads axis 1): 4 rows of a module
+    stating 4 heads are one sample, so lengths of a batch of 4 held by the program's main() (quiet-r146b: each utterance
+    run alone after the batch) are not this call's; 16 rows are 4 samples, and a module stating no heads is read as
+    its rows."""
+    from types import SimpleNamespace
+
+    from maskcli.checks.heldfold import beyond_batch
+
+    lengths = {"kind": "lengths", "rows": np.array([12, 5, 9, 3])}
+    alone = SimpleNamespace(shape=(4, 1, 1, 12), details={"own_heads": 4})
+    assert beyond_batch(alone, lengths)
+    assert not beyond_batch(SimpleNamespace(shape=(16, 1, 1, 12), details={"own_heads": 4}), lengths)
+    assert not beyond_batch(SimpleNamespace(shape=(4, 1, 1, 12), details={}), lengths)
+    assert not beyond_batch(SimpleNamespace(shape=(4, 4, 1, 12), details={"own_heads": 4}), lengths)  # (heads apart)
+    assert not beyond_batch(alone, {"kind": "lengths", "rows": np.array([12])})

@@ -413,3 +413,19 @@ def test_a_sigterm_while_a_spawned_process_writes_its_part_is_held_until_it_is_w
     """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == -15 and done.stdout == "" and (tmp_path / "part").read_text() == "whole"
+
+
+def test_wrong_findings_at_a_context_parallel_part_are_left_out_and_counted(tmp_path):
+    """picotron's ring attention (tests/data/quiet_blind, written blind, correct): rank 1's second call attends rank 0's
+    block in full, which is right for earlier tokens, and sees-its-target read its columns as positions 0..7 (its
+    queries' targets among them). At a site whose keys came from other ranks no wrong finding is made; the report
+    says how many were left out and where such parts are checked."""
+    program = Path(__file__).parent / "data" / "quiet_blind" / "quiet_picotron_ring_attention_cp2_gloo_train_step.py"
+    out = tmp_path / "run.json"
+    done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", str(out), str(program)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    said = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 0, said
+    assert ("1 wrong finding left out at call sites whose keys came from other ranks (the program passed tensors "
+            "between ranks before them") in said
+    assert [f for g in json.loads(out.read_text())["groups"] for f in g["findings"] if f["severity"] != "note"] == []

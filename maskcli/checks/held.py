@@ -29,7 +29,7 @@ import numpy as np
 from maskcli.checks.arguments import counts_on, document_starts, padded_positions
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries, real_queries
 from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, handed_elsewhere, seen_both_ways, stated_instead
-from maskcli.checks.heldfold import folded_padding, handed_batch, image_padding, over_memory, padded_batch as _padding, rows_of
+from maskcli.checks.heldfold import beyond_batch, folded_padding, handed_batch, image_padding, over_memory, padded_batch as _padding, rows_of
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.heldlengths import by_lengths
 from maskcli.checks.heldscript import script_padding
@@ -211,7 +211,7 @@ def held_padding(run: Run) -> list:
         wider = _wider_pairs(helds, rows, k_len)
         batch = handed_batch(run, call)
         for held in helds:
-            if id(held) in wider or batch is not None and rows_of(held) == rows:
+            if id(held) in wider or batch is not None and rows_of(held) == rows or beyond_batch(call, held):
                 continue  # (a pair mask wider than its batch's padding; another batch's: heldfold.handed_batch)
             tables = readings(held, rows, k_len, ids) if _tracks_keys(run, call, held) \
                 and not _per_sequence(run, call, held) else []

@@ -103,3 +103,13 @@ def rows_of(held: dict) -> int | None:
     """The batch rows a held padding covers."""
     found = held["rows"]
     return found.shape[0] if found.ndim >= 1 and held["kind"] in ("keep", "pad", "lengths", "relative") else None
+
+
+def beyond_batch(call, held: dict) -> bool:
+    """A held padding of more rows than the call's batch, where its first axis folds the batch with the heads its
+    module states (fairseq's `bsz * num_heads` rows, one head axis of 1): the padding of a larger batch, not this
+    call's (a sample run alone after the batch, 4 heads over 1 sample read as 4 samples by their count alone)."""
+    heads = call.details.get("own_heads") or call.details.get("stated_heads")
+    rows, count = call.shape[0], rows_of(held)
+    return isinstance(heads, int) and heads > 1 and call.shape[1] == 1 and rows % heads == 0 and count is not None \
+        and count > rows // heads

@@ -152,15 +152,20 @@ def merge(parts: dict[int, dict], missing: dict[int, str], world: int) -> Merged
     groups.sort(key=lambda g: g.calls[0].index)
     replicated = any(p.get("replicated") for p in parts.values())
     shared = _exchanged(calls, parts)
+    left = 0
     for group in groups:
         if all(call.where in shared for call in group.calls):
-            group.findings = [_partial(f) for f in group.findings]
+            kept = [f for f in group.findings if not _positional(f)]
+            left, group.findings = left + len(group.findings) - len(kept), kept
     by_call = {call.index: group for group in groups for call in group.calls}
     for call, finding in registry.run("ranks", [call for call in calls if call.where not in shared], replicated):
         group = by_call[call.index]
         if all((f.code, f.message) != (finding.code, finding.message) for f in group.findings):
             group.findings.append(finding)
-    return Merged(calls, groups, masks, parts, missing, world)
+    merged = Merged(calls, groups, masks, parts, missing, world)
+    if left:
+        merged.extra.append(PARTIAL.format(left, "s" if left > 1 else ""))
+    return merged
 
 
 def _exchanged(calls: list, parts: dict) -> set[str]:
@@ -170,20 +175,17 @@ def _exchanged(calls: list, parts: dict) -> set[str]:
     return {call.where for call in calls if (call.rank, call.rank_index) in after}
 
 
-PARTIAL = ("; its keys came from other ranks (the program passed tensors between ranks before it), so its columns "
-           "need not be positions 0..Lk-1 as this rule reads them: if the ranks hold parts of one sequence, "
-           "maskcli shard --trace checks each part at its global positions")
+PARTIAL = ("{} wrong finding{} left out at call sites whose keys came from other ranks (the program passed tensors "
+           "between ranks before them: context-parallel parts, whose columns are not positions 0..Lk-1 as the rules "
+           "read them): maskcli shard --trace checks each part at its global positions")
 
 
-def _partial(finding: Finding) -> Finding:
-    """A wrong finding about a context-parallel rank's part, made suspicious: it read the columns as positions."""
-    from dataclasses import replace
-
+def _positional(finding: Finding) -> bool:
+    """A wrong finding, made by a rule that reads a call's columns as positions 0..Lk-1: not a claim about a
+    context-parallel rank's part, whose keys are other ranks' (a ring's full block of earlier tokens is right)."""
     from maskcli.checks.registry import severity
 
-    if severity(finding) != "wrong":
-        return finding
-    return replace(finding, severity="suspicious", message=finding.message + PARTIAL)
+    return severity(finding) == "wrong"
 
 
 def _finding(data: dict) -> Finding:
