@@ -58,7 +58,8 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "builtcausal", "querygroups", "padend", "leftoff", "positioned", "dropshare", "rowsout", "steppad", "memflip",
            "madeframes", "beamcache", "rewritten", "restarted", "locallayers", "overqueries", "padgroup", "condwithheld",
            "refed", "mediapad", "cachedpositions", "heldsinks", "prefixpool", "nowindow", "slicedmask", "alibisign", "loopcausal", "ownhidden",
-           "shortmask", "evaldrop", "flipped", "positionrow", "broadpositions")
+           "shortmask", "evaldrop", "flipped", "positionrow", "broadpositions",
+           "rotatedkeys")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from collections import deque
 import torch
 
 import maskcli.trace.ropeat as ropeat
+import maskcli.trace.rotatedkeys as rotatedkeys
 
 HELD = 8
 
@@ -48,27 +49,28 @@ class Rotations:
             for x, y in ((b, a), (a, b)):
                 width = x.shape[-1] if x.dim() >= 2 else 0
                 if width >= 4 and width % 2 == 0 and not x.requires_grad and x.is_floating_point() \
-                        and width == out.shape[-1] and x.shape[-2] == out.shape[-2] and x.numel() < out.numel() \
-                        and y.shape == out.shape and x.device.type != "meta":
+                        and width == out.shape[-1] and x.numel() < out.numel() and y.shape == out.shape \
+                        and x.device.type != "meta" and (x.shape[-2] == out.shape[-2] or _heads_last(x, out)):
                     with torch._C.DisableTorchFunction():  # (the factor itself, its version beside it: four of its
                         factor = x.detach()  # columns are read at the next attention call, where they are a pair's;
-                    self.held.append((tuple(x.shape), _columns(width), factor, factor._version))  # a factor changed
-                    return  # in place since is let go)
+                        if x.shape[-2] != out.shape[-2]:  # (tokens before heads: the tokens' axis put where HF's is)
+                            factor = factor.transpose(-3, -2)
+                    self.held.append((tuple(factor.shape), _columns(width), factor, factor._version))  # a factor
+                    return  # changed in place since is let go)
         except Exception:  # noqa: BLE001 - the program's product is computed already; nothing reaches it
             return
 
-    def take(self, rows: int) -> list:
-        """The factors kept since the last call, of `rows` rows each (the call's queries), unchanged since; the rest
-        let go."""
-        found = [entry for entry in self.held if entry[0][-2] == rows and entry[2]._version == entry[3]]
+    def take(self, rows: int, keys: int = -1) -> tuple[list, list]:
+        """The factors kept since the last call, unchanged since, of `rows` rows each (the call's queries) and of
+        `keys` rows each (its keys, where they are more); the rest let go."""
+        kept = [entry for entry in self.held if entry[2]._version == entry[3]]
         self.held.clear()
-        return found
+        return [e for e in kept if e[0][-2] == rows], [e for e in kept if e[0][-2] == keys != rows]
 
 
-def _kept(entry: tuple) -> torch.Tensor:
-    """A factor's four columns, as double on the CPU (no mode sees the copy)."""
-    with torch._C.DisableTorchFunction():
-        return entry[2][..., entry[1]].double().cpu()
+def _heads_last(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """A factor laid (…, tokens, 1, width) over (…, tokens, heads, width): keras-hub's `[None, :, None, :]`."""
+    return x.dim() >= 3 and x.shape[-2] == 1 < out.shape[-2] and x.shape[-3] == out.shape[-3]
 
 
 def _read(cos: torch.Tensor, sin: torch.Tensor, cols: list, width: int, freqs: tuple) -> torch.Tensor | None:
@@ -105,7 +107,9 @@ def note(details: dict, rotations: Rotations, walked, shape: tuple) -> None:
         pass
     if len(shape) != 4 or not rotations.held:
         return
-    found = rotations.take(int(shape[2]))
+    found, keyed = rotations.take(int(shape[2]), int(shape[3]))
+    if keyed:  # (its keys rotated again beside its queries: which key each query was rotated like)
+        rotatedkeys.note(details, found, keyed)
     if not found or walked is None or not walked.held:
         return
     freqs = next((f for f in (ropeat._frequencies(held.f_locals.get("self")) for held, _ in walked.held) if f), None)
@@ -115,7 +119,7 @@ def note(details: dict, rotations: Rotations, walked, shape: tuple) -> None:
         (shape_c, cols, *_), (shape_s, *_) = found[i], found[i + 1]
         if shape_c != shape_s:
             continue
-        cos, sin = _kept(found[i]), _kept(found[i + 1])
+        cos, sin = rotatedkeys.kept(found[i]), rotatedkeys.kept(found[i + 1])
         at = _read(cos, sin, cols, shape_c[-1], freqs)
         if at is None:
             continue

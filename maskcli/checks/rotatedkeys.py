@@ -1,0 +1,79 @@
+"""A cached step's query rotated like a key other than the one its mask places it at.
+
+A decode step whose keys are all rotated again beside its query (trace/rotatedkeys.py: each query's rotary angles
+against each key's, no frequency needed) says where the query was rotated: at the position of the key whose angles it
+shares. Its mask says where the query is: at the last key it sees, its own, on a site whose prefill was causal (a
+query sees the keys up to its own and none after). The two disagree when the step rotated its query at another
+position: keras-hub#1544 and #2870 rotated the new token's query with the rotary layer's default `start_index=0`
+while the cache's keys were rotated at 0..L-1, so every step's query sat at position 0 and read its keys as the
+future. Said per batch row and query where one key or none shares the query's angles; quiet where the site never ran
+a causal prefill that let each query see its own key (cross-attention, an encoder, a step that attends only to the
+cache before it), where a row sees no key, and where several keys share them (positions repeated).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, keep
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def _causal_prefill(calls: list, before: int) -> bool:
+    """Whether a square call of the site before `before` saw, in each row that saw anything, its own key and none after."""
+    for call in calls:
+        if call.index >= before:
+            break
+        q_len, k_len = call.shape[2], call.shape[3]
+        cells = keep(call) if q_len == k_len > 1 else None
+        if cells is None:
+            continue
+        seen = cells.any(axis=-1)
+        if seen.any() and not np.triu(cells, 1).any() and bool(np.diagonal(cells, axis1=-2, axis2=-1)[seen].all()):
+            return True
+    return False
+
+
+def rotated_apart(run: Run) -> list:
+    """Decode steps whose query was rotated like a key other than the last one its mask lets it see."""
+    found = []
+    for calls in run.sites().values():
+        for call in calls:
+            like = call.details.get("rotated_like")
+            cells = keep(call) if like else None
+            if cells is None or not _causal_prefill(calls, call.index):
+                continue
+            first, count = np.asarray(like["first"]), np.asarray(like["count"])
+            batch = max(call.shape[0], cells.shape[0])
+            if first.shape[0] not in (1, batch) or first.shape[1] != call.shape[2]:
+                continue
+            said = next((f for f in (_row(call, cells[min(row, cells.shape[0] - 1), 0], first[min(row, first.shape[0] - 1)],
+                                          count[min(row, first.shape[0] - 1)], row) for row in range(batch)) if f), None)
+            if said is not None:
+                found.append((call, said))
+    return found
+
+
+def _row(call, cells: np.ndarray, first: np.ndarray, count: np.ndarray, row: int) -> Finding | None:
+    for query in range(cells.shape[0]):
+        seen = np.flatnonzero(cells[query])
+        if not seen.size or count[query] > 1 or first[query] == seen[-1]:
+            continue
+        at, own = int(first[query]), int(seen[-1])
+        like = (f"was rotated like key {at} (its angles in every rotary pair are that key's)" if count[query] else
+                f"was rotated at a position none of the call's {call.shape[3]} keys was rotated at")
+        return Finding("query-rotated-apart", (
+            f"{call.where} (call {call.index}, step {call.step}): batch row {row}'s query {query} {like}, but its mask "
+            f"places it at key {own}, the last it sees, on a site whose prefill was causal: the query and its own key "
+            f"were rotated at different positions, so it reads its keys as nearer or farther than they are (a rotary "
+            f"call left at its default start, or handed the cache's length after the step's key was added?)"),
+            expected=f"the query rotated like key {own}", source=f"the rotary factors at {call.where}",
+            cell=(row, 0, query, own))
+    return None
+
+
+RULES = (
+    Rule("query-rotated-apart", "wrong", "site", "a cached step's query rotated at another position than the key its "
+         "mask places it at (the cache's keys rotated again beside it)", rotated_apart),
+)

@@ -1,0 +1,59 @@
+"""Which key each query was rotated like: a call's queries' (cos, sin) factors against its keys' (trace/rotated.py).
+
+A cached decode that keeps its keys unrotated rotates every key again at each step (keras-hub's
+`RotaryEmbedding(key)` over the whole cache) beside the step's queries (`RotaryEmbedding(query, start_index=...)`):
+two rotations of one call, told apart by their rows (the queries' and the keys'). A query and a key rotated at one
+position have the same angle in every rotary pair, whatever the frequencies are, so no table or frequency is needed:
+each query's angles (atan2 of its sin and cos factors at the columns rotated.py keeps) are compared with each key's,
+and the keys that agree in every column are the ones rotated where that query was. Said only where each side is one
+(cos, sin) pair whose squares sum to 1; O(queries x keys) a call, so only for a few queries over their keys.
+checks/rotatedkeys.py holds each query to the key its mask places it at.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+TOLERANCE = 1e-2  # radians: a position apart turns the fastest pair 1 rad; bf16 factors round angles by ~5e-3
+MAX_CELLS = 1 << 20  # queries x keys compared a call
+
+
+def kept(entry: tuple) -> torch.Tensor:
+    """A factor's kept columns (rotated.py's entry), as double on the CPU (no mode sees the copy)."""
+    with torch._C.DisableTorchFunction():
+        return entry[2][..., entry[1]].double().cpu()
+
+
+def _angles(entries: list) -> list:
+    """The (planes, L, columns) angles of each (cos, sin) pair among `entries`, in the order they were multiplied."""
+    found, i = [], 0
+    while i + 1 < len(entries):
+        (shape, cols, *_), (other, *_) = entries[i], entries[i + 1]
+        if shape == other:
+            cos, sin = kept(entries[i]), kept(entries[i + 1])
+            if float((cos * cos + sin * sin - 1).abs().max()) < 1e-3:
+                found.append(torch.atan2(sin, cos).reshape(-1, shape[-2], len(cols)))
+                i += 2
+                continue
+        i += 1
+    return found
+
+
+def note(details: dict, queried: list, keyed: list) -> None:
+    """details["rotated_like"] = {"first": (planes, Lq) the first key column rotated where each query was (-1: none),
+    "count": how many are}: where the queries' factors and the keys' are one pair each."""
+    ours, theirs = _angles(queried), _angles(keyed)
+    if len(ours) != 1 or len(theirs) != 1:
+        return
+    q, k = ours[0], theirs[0]
+    planes = max(q.shape[0], k.shape[0])
+    if q.shape[-1] != k.shape[-1] or any(x.shape[0] not in (1, planes) for x in (q, k)) \
+            or planes * q.shape[1] * k.shape[1] > MAX_CELLS:
+        return
+    apart = torch.remainder(q[:, :, None, :] - k[:, None, :, :] + math.pi, 2 * math.pi) - math.pi
+    same = (apart.abs() < TOLERANCE).all(dim=-1)  # (planes, Lq, Lk)
+    count = same.sum(dim=-1)
+    first = torch.where(count > 0, same.to(torch.int8).argmax(dim=-1), -1)
+    details["rotated_like"] = {"first": first.tolist(), "count": count.tolist()}

@@ -1,0 +1,47 @@
+"""checks/rotatedkeys.py: a cached step's query rotated like another key than the one its mask places it at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkbugs import check_bug, traced
+
+HERE = Path(__file__).parent / "data" / "rotatedkeys"
+
+
+def test_keras_hub_gpt_neox_query_rotated_at_position_zero(tmp_path):
+    """keras-team/keras-hub#2870 (written blind, blind-wo; missed before): GPT-NeoX's cached decode rotated the new
+    query with the rotary layer's default start_index=0 while the whole key cache was rotated at 0..L-1. The
+    reference: the shorter prompt holds 3 tokens, so the first step runs at cache index 2 (its static-cache mask lets
+    the query see keys 0..2), and its angles are key 0's. The fix (start_index=cache_update_index) quiet."""
+    found = check_bug(tmp_path, "keras_hub_gpt_neox_cached_decode_query_rope_at_position_zero", "query-rotated-apart")
+    message = " ".join(found[0]["message"].split())
+    assert "batch row 0's query 0 was rotated like key 0 (its angles in every rotary pair are that key's)" in message
+    own = int(message.split("places it at key ")[1].split(",")[0])
+    assert own == 2 and found[0]["cell"] == [0, 0, 0, 2]
+
+
+def test_keras_nlp_llama_query_rotated_at_position_zero(tmp_path):
+    """keras-team/keras-hub#1544 (written blind, blind-oq; missed before): keras-nlp's LLaMA rotated query and key
+    without start_index in its cached step, the key cache rotated again at 0..max_length-1. The fix quiet."""
+    found = check_bug(tmp_path, "keras_nlp_llama_cached_decode_query_rope_at_position_zero", "query-rotated-apart")
+    assert "was rotated like key 0" in " ".join(found[0]["message"].split())
+
+
+def test_a_query_rotated_past_its_own_key_is_found(tmp_path):
+    """Written another way: interleaved rotary pairs (GPT-J's 2d, 2d+1), the cache kept unrotated and rotated again by
+    concatenation each step, the query rotated at the cache's length taken after its own key was added. The
+    reference: the prompt holds 5 tokens, so the first step's query sees keys 0..5 and its own key is 5; its angles
+    match no key (it sits at 6). The fix (the length before the append) quiet."""
+    found = check_bug(tmp_path, "sincos_cache_rerotated_query_at_cache_length", "query-rotated-apart", HERE)
+    message = " ".join(found[0]["message"].split())
+    assert "query 0 was rotated at a position none of the call's 6 keys was rotated at, but its mask places it at " \
+           "key 5" in message
+
+
+def test_a_sink_cache_rerotated_at_its_slots_is_quiet(tmp_path):
+    """Correct: StreamingLLM's position shift (the cache's keys rotated again at their slots, the query at its own),
+    over a left-padded batch whose rows number their real tokens from their first."""
+    status, found, report = traced(tmp_path, "quiet_sink_cache_rerotated_at_slots_left_padded", False, HERE)
+    assert status == 0, report
+    assert [f for f in found if f["severity"] != "note"] == [], report
