@@ -905,3 +905,12 @@ def test_keras_nlp_gpt2_output_mask_cumsum_taken_over_the_batch(tmp_path):
     after the one that ended, row 2, is told. The fix's mask, cut after each row's own end token, is quiet."""
     hit = check_bug(tmp_path, "keras_nlp_gpt2_generate_output_padding_mask_cumsum_over_batch", "real-tokens-masked")[0]
     assert " ".join(hit["message"].split()).startswith("batch row 2:"), hit
+
+
+def test_xlm_core_masked_diffusion_collator_attends_the_padded_tail(tmp_path):
+    """dhruvdcoder/xlm-core#47, fixed by #48 (written blind, blind-xb; caught before tuning, its fix flagged then):
+    with `loss_on_padding` the collator gave the whole right-padded row attention_mask 1, so the encoder attended the
+    pad-id tail. The fix keeps `prefix + BOS + block_size` slots real, pads among them (the block the model learns to
+    fill), and marks the rest 0: the mask's padding lies inside the pad run, found on its side, so the fix is quiet."""
+    found = check_bug(tmp_path, "xlm_core_mlm_seq2seq_suffix_tail_attended", "padding-unmarked")
+    assert "a token at the model's pad id (0) in the run at the row's edge" in " ".join(found[0]["message"].split())

@@ -132,3 +132,21 @@ def not_text(top, ids: np.ndarray, given: np.ndarray, at_pad: np.ndarray) -> np.
     """Bool (B, L): masked tokens the program's own statements call no text: padding by its positions
     (`positioned_padding`), or sampled past a row's end (`past_the_end`)."""
     return positioned_padding(top, given, at_pad)[:, None] | past_the_end(top, ids, given)
+
+
+def bounded_inside(at_pad: np.ndarray, given: np.ndarray) -> bool:
+    """The attention_mask's padding lies inside each row's pad-id run, at its far end, and the rows keep different
+    numbers of the run's first pads as text: the program found the padding on its side and set where it begins by
+    something else than the pads (a block of fixed size filled with pads the model learns to write: xlm-core#48's
+    masked-diffusion collator keeps `prefix + BOS + block_size` slots real, so one row keeps a pad and another none).
+    Not the bug padding-unmarked names: a mask made with the wrong id or side, or all ones, marks no pad of the run as
+    padding, or padding elsewhere; a mask meant for another model that keeps one pad in every row (diffusers#12508:
+    Chroma's "real tokens + one pad", handed to T5 too) keeps as many in each."""
+    padded = [b for b in range(at_pad.shape[0]) if at_pad[b].any()]
+    kept = [int((at_pad[b] & (given[b] == 1)).sum()) for b in padded]
+    for b, count in zip(padded, kept):
+        zeros, run = np.flatnonzero(given[b] == 0), np.flatnonzero(at_pad[b])
+        if count and (zeros.size == 0 or not np.isin(zeros, run).all() or zeros[-1] - zeros[0] + 1 != zeros.size
+                      or (zeros[0] != 0 and zeros[-1] != len(given[b]) - 1)):
+            return False
+    return len(set(kept)) > 1

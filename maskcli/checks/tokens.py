@@ -51,7 +51,7 @@ import numpy as np
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, real_queries
 from maskcli.checks.othermask import borrowed
-from maskcli.checks.padruns import at_bos, disagreeing, filler_kept, inside as _inside, not_text
+from maskcli.checks.padruns import at_bos, bounded_inside, disagreeing, filler_kept, inside as _inside, not_text
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.checks.sides import DECODER, ENCODER  # (a module path's decoder, encoder)
@@ -158,7 +158,8 @@ def tokens(run: Run) -> list:
         padded = at_pad if pad_id not in others else _leading_runs(at_pad, side)
         before = len(found)
         if padded is not None and padded.any() and not padded.all(axis=1).any() and _run_at_edge(padded, side) \
-                and (padded & (given == 1)).any() and not _start_token(run, top, padded, pad_id):
+                and (padded & (given == 1)).any() and not _start_token(run, top, padded, pad_id) \
+                and not (bounded_inside(padded, given) and not borrowed(run, top, ids, given, pad_id)):
             found += _unmarked(run, top, padded, given, pad_id, said, side)
         if len(found) == before:  # (rows that disagree on the pad run ending them: padruns.py)
             found += disagreeing(top, _calls(run, top, rows, length, unmasked=True), at_pad, given, pad_id, said)
