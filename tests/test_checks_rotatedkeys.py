@@ -45,3 +45,29 @@ def test_a_sink_cache_rerotated_at_its_slots_is_quiet(tmp_path):
     status, found, report = traced(tmp_path, "quiet_sink_cache_rerotated_at_slots_left_padded", False, HERE)
     assert status == 0, report
     assert [f for f in found if f["severity"] != "note"] == [], report
+
+
+def test_ring_attention_rotary_table_sized_by_the_heads_axis(tmp_path):
+    """lucidrains/ring-attention-pytorch ea485d0 (written blind, blind-wb; missed before): the rotary table was asked for
+    `q.shape[-2]` positions of a (b, n, h, d) layout, the heads (one), so its one row rotated all 12 tokens at position
+    0 under a causal mask. The fix (`q.shape[-3]`) quiet."""
+    found = check_bug(tmp_path, "ring_attention_pytorch_rotary_length_from_heads_axis", "rotated-at-one-position")
+    assert "its 12 queries and keys, which its causal mask orders, were all rotated by one (cos, sin) row" in \
+        " ".join(found[0]["message"].split())
+
+
+def test_gpt_neox_cached_keys_rotated_with_the_new_tokens_one_row(tmp_path):
+    """EleutherAI/gpt-neox c0986cfd (written blind, blind-we; missed before): the decode step built its rotary table
+    from the new tokens' count (one) and applied it to the cached keys too, seq-first [sk, b, np, hn]. The reference:
+    the longer prompt holds 10 tokens and the first step's cache 7 + 1 = 8 keys (the batch's shorter row sets the
+    first step), then one more a step. The fix (the table over every position, sliced at the offset) quiet."""
+    found = check_bug(tmp_path, "gpt_neox_rotary_kv_cache_decode_positions_restart_at_zero", "rotated-at-one-position")
+    message = " ".join(found[0]["message"].split())
+    assert "its 8 keys (a cache that grows: at 8 steps of the run every key was so rotated" in message
+
+
+def test_a_prefill_handed_the_decode_steps_one_row_is_found(tmp_path):
+    """Written another way: a rotary module that hands back the row at `offset` for one token, called for the prompt
+    too, HF's (b, h, n, d) layout, SDPA with is_causal. The fix (a row per token) quiet."""
+    found = check_bug(tmp_path, "decode_slice_of_rotary_cache_used_for_prefill", "rotated-at-one-position", HERE)
+    assert "its 6 queries and keys" in " ".join(found[0]["message"].split())

@@ -20,17 +20,20 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
+def _causal(cells: np.ndarray) -> bool:
+    """Square cells in which each row that sees anything sees its own key and none after."""
+    seen = cells.any(axis=-1)
+    return bool(seen.any()) and not np.triu(cells, 1).any() and bool(np.diagonal(cells, axis1=-2, axis2=-1)[seen].all())
+
+
 def _causal_prefill(calls: list, before: int) -> bool:
-    """Whether a square call of the site before `before` saw, in each row that saw anything, its own key and none after."""
+    """Whether a square call of the site before `before` was causal (_causal)."""
     for call in calls:
         if call.index >= before:
             break
         q_len, k_len = call.shape[2], call.shape[3]
         cells = keep(call) if q_len == k_len > 1 else None
-        if cells is None:
-            continue
-        seen = cells.any(axis=-1)
-        if seen.any() and not np.triu(cells, 1).any() and bool(np.diagonal(cells, axis1=-2, axis2=-1)[seen].all()):
+        if cells is not None and _causal(cells):
             return True
     return False
 
@@ -73,7 +76,34 @@ def _row(call, cells: np.ndarray, first: np.ndarray, count: np.ndarray, row: int
     return None
 
 
+def one_position(run: Run) -> list:
+    """Calls whose causal queries, or a cached step's keys, were all rotated at one position (trace/rotatedkeys.flat)."""
+    found = []
+    flat = [call for call in [*run.calls, *run.unmasked] if call.details.get("rotated_flat")]
+    grown = {call.shape[3] for call in flat if call.shape[3] > call.shape[2] and call.shape[3] in call.details["rotated_flat"]}
+    for call in flat:
+        counts = call.details["rotated_flat"]
+        q_len, k_len = call.shape[2], call.shape[3]
+        cells = keep(call)
+        if cells is not None and q_len in counts and q_len == k_len and _causal(cells):
+            which = f"its {q_len} queries and keys, which its causal mask orders,"
+        elif k_len in counts and k_len > q_len and len(grown) > 1:
+            which = (f"its {k_len} keys (a cache that grows: at {len(grown)} steps of the run every key was so rotated, "
+                     f"so their count is the cache's, not the heads')")
+        else:
+            continue
+        found.append((call, Finding("rotated-at-one-position", (
+            f"{call.where} (call {call.index}, step {call.step}): {which} were all rotated by one (cos, sin) row "
+            f"broadcast over them: every token at one position, so the rotation says nothing of their order (a "
+            f"rotary table sized by another axis than the tokens', or built for one token and applied to many?)"),
+            expected="a rotary row per token, at its position", source=f"the rotary factors at {call.where}",
+            cell=(0, 0, 0, 0))))
+    return found
+
+
 RULES = (
+    Rule("rotated-at-one-position", "wrong", "site", "queries ordered by a causal mask, or a cached step's keys, all "
+         "rotated by one rotary row broadcast over them (one position for every token)", one_position),
     Rule("query-rotated-apart", "wrong", "site", "a cached step's query rotated at another position than the key its "
          "mask places it at (the cache's keys rotated again beside it)", rotated_apart),
 )

@@ -50,22 +50,33 @@ class Rotations:
                 width = x.shape[-1] if x.dim() >= 2 else 0
                 if width >= 4 and width % 2 == 0 and not x.requires_grad and x.is_floating_point() \
                         and width == out.shape[-1] and x.numel() < out.numel() and y.shape == out.shape \
-                        and x.device.type != "meta" and (x.shape[-2] == out.shape[-2] or _heads_last(x, out)):
+                        and x.device.type != "meta" \
+                        and (x.shape[-2] == out.shape[-2] or _heads_last(x, out) or x.numel() == width):
                     with torch._C.DisableTorchFunction():  # (the factor itself, its version beside it: four of its
                         factor = x.detach()  # columns are read at the next attention call, where they are a pair's;
-                        if x.shape[-2] != out.shape[-2]:  # (tokens before heads: the tokens' axis put where HF's is)
+                        if x.shape[-2] != out.shape[-2] and _heads_last(x, out):  # (tokens before heads: put where HF's are)
                             factor = factor.transpose(-3, -2)
-                    self.held.append((tuple(factor.shape), _columns(width), factor, factor._version))  # a factor
-                    return  # changed in place since is let go)
+                    self.held.append((tuple(factor.shape), _columns(width), factor, factor._version,  # (a factor
+                                      _spread(x, out)))  # changed in place since is let go)
+                    return
         except Exception:  # noqa: BLE001 - the program's product is computed already; nothing reaches it
             return
 
-    def take(self, rows: int, keys: int = -1) -> tuple[list, list]:
-        """The factors kept since the last call, unchanged since, of `rows` rows each (the call's queries) and of
-        `keys` rows each (its keys, where they are more); the rest let go."""
+    def take(self, rows: int, keys: int = -1) -> tuple[list, list, list]:
+        """The factors kept since the last call, unchanged since, of `rows` rows each (the call's queries), of `keys`
+        rows each (its keys, where they are more), and of one rotation spread over many tokens; the rest let go."""
         kept = [entry for entry in self.held if entry[2]._version == entry[3]]
         self.held.clear()
-        return [e for e in kept if e[0][-2] == rows], [e for e in kept if e[0][-2] == keys != rows]
+        return [e for e in kept if e[0][-2] == rows], [e for e in kept if e[0][-2] == keys != rows], \
+            [e for e in kept if e[4]]
+
+
+def _spread(x: torch.Tensor, out: torch.Tensor) -> tuple:
+    """The sizes of the product's axes a factor of one rotation (one row on every axis but its width) is broadcast
+    over: the tokens it gives one position to, among the batch and the heads."""
+    if x.numel() != x.shape[-1]:
+        return ()
+    return tuple(out.shape[a] for a in range(-out.dim(), -1) if (x.dim() < -a or x.shape[a] == 1) and out.shape[a] > 1)
 
 
 def _heads_last(x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -107,9 +118,11 @@ def note(details: dict, rotations: Rotations, walked, shape: tuple) -> None:
         pass
     if len(shape) != 4 or not rotations.held:
         return
-    found, keyed = rotations.take(int(shape[2]), int(shape[3]))
+    found, keyed, flat = rotations.take(int(shape[2]), int(shape[3]))
     if keyed:  # (its keys rotated again beside its queries: which key each query was rotated like)
         rotatedkeys.note(details, found, keyed)
+    if flat:  # (one rotation over many of its tokens)
+        rotatedkeys.flat(details, flat, shape)
     if not found or walked is None or not walked.held:
         return
     freqs = next((f for f in (ropeat._frequencies(held.f_locals.get("self")) for held, _ in walked.held) if f), None)

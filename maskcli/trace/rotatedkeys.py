@@ -8,6 +8,10 @@ each query's angles (atan2 of its sin and cos factors at the columns rotated.py 
 and the keys that agree in every column are the ones rotated where that query was. Said only where each side is one
 (cos, sin) pair whose squares sum to 1; O(queries x keys) a call, so only for a few queries over their keys.
 checks/rotatedkeys.py holds each query to the key its mask places it at.
+
+Also (`flat`): a (cos, sin) pair of one row broadcast over as many tokens as the call's queries or keys (not its batch
+or heads): every one of those tokens rotated at one position (ring-attention-pytorch's table sized by the heads axis,
+one head, so one row for every token), which checks/rotatedkeys.py holds against a causal mask over them.
 """
 
 from __future__ import annotations
@@ -57,3 +61,16 @@ def note(details: dict, queried: list, keyed: list) -> None:
     count = same.sum(dim=-1)
     first = torch.where(count > 0, same.to(torch.int8).argmax(dim=-1), -1)
     details["rotated_like"] = {"first": first.tolist(), "count": count.tolist()}
+
+
+def flat(details: dict, entries: list, shape: tuple) -> None:
+    """details["rotated_flat"]: the token counts (the call's queries' or keys') a (cos, sin) pair of one rotation was
+    broadcast over, where that count is neither the batch's nor the heads'."""
+    batch, heads, q_len, k_len = (int(n) for n in shape)
+    counts = set()
+    for i in range(len(entries) - 1):
+        first, second = entries[i], entries[i + 1]
+        if first[0] == second[0] and first[4] == second[4] and _angles([first, second]):
+            counts.update(n for n in first[4] if n in (q_len, k_len) and n not in (batch, heads) and n > 1)
+    if counts:
+        details["rotated_flat"] = sorted(counts)
