@@ -19,6 +19,8 @@ def test_keras_hub_gpt_neox_query_rotated_at_position_zero(tmp_path):
     assert "batch row 0's query 0 was rotated like key 0 (its angles in every rotary pair are that key's)" in message
     own = int(message.split("places it at key ")[1].split(",")[0])
     assert own == 2 and found[0]["cell"] == [0, 0, 0, 2]
+    # one finding a layer, not one a step: indexes 3..11 of the 12-token buffer are 9 steps, each rotated at 0
+    assert len(found) == 2 and all(" ".join(f["message"].split()).endswith("(9 calls alike)") for f in found)
 
 
 def test_keras_nlp_llama_query_rotated_at_position_zero(tmp_path):

@@ -13,6 +13,8 @@ cache before it), where a row sees no key, and where several keys share them (po
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from maskcli.checks.context import Run, keep
@@ -42,6 +44,7 @@ def rotated_apart(run: Run) -> list:
     """Decode steps whose query was rotated like a key other than the last one its mask lets it see."""
     found = []
     for calls in run.sites().values():
+        said = []
         for call in calls:
             like = call.details.get("rotated_like")
             cells = keep(call) if like else None
@@ -51,11 +54,21 @@ def rotated_apart(run: Run) -> list:
             batch = max(call.shape[0], cells.shape[0])
             if first.shape[0] not in (1, batch) or first.shape[1] != call.shape[2]:
                 continue
-            said = next((f for f in (_row(call, cells[min(row, cells.shape[0] - 1), 0], first[min(row, first.shape[0] - 1)],
-                                          count[min(row, first.shape[0] - 1)], row) for row in range(batch)) if f), None)
-            if said is not None:
-                found.append((call, said))
+            one = next((f for f in (_row(call, cells[min(row, cells.shape[0] - 1), 0], first[min(row, first.shape[0] - 1)],
+                                         count[min(row, first.shape[0] - 1)], row) for row in range(batch)) if f), None)
+            if one is not None:
+                said.append((call, one))
+        found += _once(said)
     return found
+
+
+def _once(said: list) -> list:
+    """The first of a site's findings (of a cache's keys: of the run's), saying how many calls are alike (one finding
+    a bug, not one a decode step)."""
+    if len(said) < 2:
+        return said
+    call, first = said[0]
+    return [(call, replace(first, message=first.message + f" ({len(said)} calls alike)"))]
 
 
 def _row(call, cells: np.ndarray, first: np.ndarray, count: np.ndarray, row: int) -> Finding | None:
@@ -78,7 +91,7 @@ def _row(call, cells: np.ndarray, first: np.ndarray, count: np.ndarray, row: int
 
 def one_position(run: Run) -> list:
     """Calls whose causal queries, or a cached step's keys, were all rotated at one position (trace/rotatedkeys.flat)."""
-    found = []
+    found: dict = {}
     flat = [call for call in [*run.calls, *run.unmasked] if call.details.get("rotated_flat")]
     grown = {call.shape[3] for call in flat if call.shape[3] > call.shape[2] and call.shape[3] in call.details["rotated_flat"]}
     for call in flat:
@@ -92,13 +105,13 @@ def one_position(run: Run) -> list:
                      f"so their count is the cache's, not the heads')")
         else:
             continue
-        found.append((call, Finding("rotated-at-one-position", (
+        found.setdefault(call.where if q_len == k_len else "", []).append((call, Finding("rotated-at-one-position", (
             f"{call.where} (call {call.index}, step {call.step}): {which} were all rotated by one (cos, sin) row "
             f"broadcast over them: every token at one position, so the rotation says nothing of their order (a "
             f"rotary table sized by another axis than the tokens', or built for one token and applied to many?)"),
             expected="a rotary row per token, at its position", source=f"the rotary factors at {call.where}",
             cell=(0, 0, 0, 0))))
-    return found
+    return [one for said in found.values() for one in _once(said)]
 
 
 RULES = (
