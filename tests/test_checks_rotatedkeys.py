@@ -65,7 +65,7 @@ def test_gpt_neox_cached_keys_rotated_with_the_new_tokens_one_row(tmp_path):
     first step), then one more a step. The fix (the table over every position, sliced at the offset) quiet."""
     found = check_bug(tmp_path, "gpt_neox_rotary_kv_cache_decode_positions_restart_at_zero", "rotated-at-one-position")
     message = " ".join(found[0]["message"].split())
-    assert "its 8 keys (a cache that grows: at 8 steps of the run every key was so rotated" in message
+    assert "its 8 keys, its own sequence's (at 8 key counts of the run every key was so rotated" in message
 
 
 def test_a_prefill_handed_the_decode_steps_one_row_is_found(tmp_path):

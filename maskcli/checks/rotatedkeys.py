@@ -89,6 +89,13 @@ def _row(call, cells: np.ndarray, first: np.ndarray, count: np.ndarray, row: int
     return None
 
 
+def _other_tensor(call) -> bool:
+    """The call's keys were handed as another tensor than its queries (trace/crossing.py): a cross-attention's, whose
+    keys need not be the query's own sequence (Kronos's dependency layer rotates them with its one query's row)."""
+    said = call.details.get("cross")
+    return isinstance(said, dict) and bool(said.get("cross"))
+
+
 def one_position(run: Run) -> list:
     """Calls whose causal queries, or a cached step's keys, were all rotated at one position (trace/rotatedkeys.flat)."""
     found: dict = {}
@@ -100,9 +107,9 @@ def one_position(run: Run) -> list:
         cells = keep(call)
         if cells is not None and q_len in counts and q_len == k_len and _causal(cells):
             which = f"its {q_len} queries and keys, which its causal mask orders,"
-        elif k_len in counts and k_len > q_len and len(grown) > 1:
-            which = (f"its {k_len} keys (a cache that grows: at {len(grown)} steps of the run every key was so rotated, "
-                     f"so their count is the cache's, not the heads')")
+        elif k_len in counts and k_len > q_len and len(grown) > 1 and not _other_tensor(call):
+            which = (f"its {k_len} keys, its own sequence's (at {len(grown)} key counts of the run every key was so "
+                     f"rotated: a sequence that grows, not a count of heads),")
         else:
             continue
         found.setdefault(call.where if q_len == k_len else "", []).append((call, Finding("rotated-at-one-position", (
