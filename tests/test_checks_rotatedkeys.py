@@ -73,3 +73,31 @@ def test_a_prefill_handed_the_decode_steps_one_row_is_found(tmp_path):
     too, HF's (b, h, n, d) layout, SDPA with is_causal. The fix (a row per token) quiet."""
     found = check_bug(tmp_path, "decode_slice_of_rotary_cache_used_for_prefill", "rotated-at-one-position", HERE)
     assert "its 6 queries and keys" in " ".join(found[0]["message"].split())
+
+
+def test_mlx_lm_gemma3n_queries_rotated_after_the_cache_offset_advanced(tmp_path):
+    """ml-explore/mlx-lm#1806, fixed by #1848 (written blind, blind-qa; missed then): BatchKVCache advanced its offset
+    in place, so Gemma 3n rotated its queries at the offset past the keys it had just rotated and cached (L positions
+    on; per row, over a left-padded batch). The reference: the prompt's 9 queries and 9 keys, two (cos, sin) tables a
+    shift apart, found once a layer. The fix (the offset rebound) quiet."""
+    found = check_bug(tmp_path, "mlx_lm_gemma3n_batch_cache_offset_advanced_in_place_before_query_rope",
+                      "query-rotated-apart")
+    assert len(found) == 2
+    assert "its 9 queries and the keys of its own 9 tokens were rotated by two (cos, sin) tables" in \
+        " ".join(found[0]["message"].split())
+
+
+def test_queries_rotated_at_the_cache_length_after_the_append_are_found(tmp_path):
+    """Written another way: HF's layout and rotate_half, the keys rotated at `past + arange(n)` and cached, the queries
+    at the cache's length read after the append (the prompt's 6 queries 6 positions on, each step's one on). The fix
+    (the length before the append) quiet."""
+    found = check_bug(tmp_path, "queries_rotated_at_cache_length_after_append", "query-rotated-apart", HERE)
+    assert "its 6 queries and the keys of its own 6 tokens" in " ".join(found[0]["message"].split())
+
+
+def test_axial_rows_and_columns_rotations_are_quiet(tmp_path):
+    """Correct: a 2-D axial rotary (half the width by a patch's row, half by its column, queries and keys alike): two
+    tables whose angles differ token to token, not by one shift."""
+    status, found, report = traced(tmp_path, "quiet_axial_rope_vit_rows_and_columns", False, HERE)
+    assert status == 0, report
+    assert [f for f in found if f["severity"] != "note"] == [], report

@@ -9,6 +9,11 @@ while the cache's keys were rotated at 0..L-1, so every step's query sat at posi
 future. Said per batch row and query where one key or none shares the query's angles; quiet where the site never ran
 a causal prefill that let each query see its own key (cross-attention, an encoder, a step that attends only to the
 cache before it), where a row sees no key, and where several keys share them (positions repeated).
+
+Also where the queries and the keys of the call's own tokens were rotated by two tables one shift of positions apart
+(trace/rotatedkeys.shifted: mlx-lm#1806 rotated Gemma 3n's queries after its batch cache's offset had advanced past the
+keys just rotated, L positions on): every query then reads every key as nearer or farther than it is, whatever the mask.
+Quiet on a cross-attention (its keys handed as another tensor) and where the two tables differ token to token.
 """
 
 from __future__ import annotations
@@ -60,6 +65,25 @@ def rotated_apart(run: Run) -> list:
                 said.append((call, one))
         found += _once(said)
     return found
+
+
+def shifted(run: Run) -> list:
+    """Calls whose queries and own new keys were rotated one shift of positions apart (trace/rotatedkeys.shifted)."""
+    found: dict = {}
+    for call in [*run.calls, *run.unmasked]:
+        shift = call.details.get("rotated_shift")
+        if not shift or _other_tensor(call) or call.shape[3] < call.shape[2]:
+            continue
+        rows = shift["rows"]
+        found.setdefault(call.where, []).append((call, Finding("query-rotated-apart", (
+            f"{call.where} (call {call.index}, step {call.step}): its {rows} queries and the keys of its own {rows} "
+            f"tokens were rotated by two (cos, sin) tables, each token's angles turned from one to the other by one "
+            f"same amount in every rotary pair: a shift of positions, so every query reads "
+            f"every key as nearer or farther than it is (the queries rotated after a cache's offset advanced past the "
+            f"keys, or with other positions than the keys?)"),
+            expected="queries rotated at their own keys' positions", source=f"the rotary factors at {call.where}",
+            cell=(0, 0, 0, 0))))
+    return [one for said in found.values() for one in _once(said)]
 
 
 def _once(said: list) -> list:
@@ -124,6 +148,7 @@ def one_position(run: Run) -> list:
 RULES = (
     Rule("rotated-at-one-position", "wrong", "site", "queries ordered by a causal mask, or a cached step's keys, all "
          "rotated by one rotary row broadcast over them (one position for every token)", one_position),
-    Rule("query-rotated-apart", "wrong", "site", "a cached step's query rotated at another position than the key its "
-         "mask places it at (the cache's keys rotated again beside it)", rotated_apart),
+    Rule("query-rotated-apart", "wrong", "site", "a query rotated at another position than its own key: a cached step's "
+         "query against the key its mask places it at, or a call's queries a shift of positions from its own new keys",
+         lambda run: rotated_apart(run) + shifted(run)),
 )

@@ -123,6 +123,8 @@ def note(details: dict, rotations: Rotations, walked, shape: tuple) -> None:
         rotatedkeys.note(details, found, keyed)
     if flat:  # (one rotation over many of its tokens)
         rotatedkeys.flat(details, flat, shape)
+    if found:  # (its queries and its own keys rotated by two tables a shift apart)
+        rotatedkeys.shifted(details, found)
     if not found or walked is None or not walked.held:
         return
     freqs = next((f for f in (ropeat._frequencies(held.f_locals.get("self")) for held, _ in walked.held) if f), None)

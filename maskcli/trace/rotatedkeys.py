@@ -12,6 +12,12 @@ checks/rotatedkeys.py holds each query to the key its mask places it at.
 Also (`flat`): a (cos, sin) pair of one row broadcast over as many tokens as the call's queries or keys (not its batch
 or heads): every one of those tokens rotated at one position (ring-attention-pytorch's table sized by the heads axis,
 one head, so one row for every token), which checks/rotatedkeys.py holds against a causal mask over them.
+
+And (`shifted`): the factors of the call's own tokens (as many rows as its queries) that are two (cos, sin) pairs, not
+one: its queries and its new keys rotated with tables whose angles differ, in every column kept, by one amount for every
+token of a batch row (one shift of positions: mlx-lm#1806 rotated Gemma 3n's queries after the cache's offset had
+advanced past the keys it had just rotated). Two rotations of one axis that differ from token to token (an image's
+rows and columns) are not one shift and are left alone.
 """
 
 from __future__ import annotations
@@ -74,3 +80,33 @@ def flat(details: dict, entries: list, shape: tuple) -> None:
             counts.update(n for n in first[4] if n in (q_len, k_len) and n not in (batch, heads) and n > 1)
     if counts:
         details["rotated_flat"] = sorted(counts)
+
+
+def _distinct(entries: list) -> list:
+    """Each factor's kept columns once, in the order first multiplied (a table multiplied into queries and keys alike
+    is one)."""
+    found: list = []
+    for entry in entries:
+        cols = kept(entry)
+        if not any(seen.shape == cols.shape and bool(torch.allclose(seen, cols, atol=1e-5)) for seen in found):
+            found.append(cols)
+    return found
+
+
+def shifted(details: dict, entries: list) -> None:
+    """details["rotated_shift"] = {"rows": the tokens, "turn": the largest angle apart (radians)}: where the factors of
+    the call's own tokens are two (cos, sin) pairs, each token of a batch row turned by one same angle from one to the
+    other in every column (a shift of positions), at two tokens or more."""
+    tables = _distinct(entries)
+    if len(tables) != 4 or len({t.shape for t in tables}) != 1 or tables[0].shape[-2] < 2:
+        return
+    angles = []
+    for cos, sin in ((tables[0], tables[1]), (tables[2], tables[3])):
+        if float((cos * cos + sin * sin - 1).abs().max()) > 1e-3:
+            return
+        angles.append(torch.atan2(sin, cos).reshape(-1, cos.shape[-2], cos.shape[-1]))
+    apart = torch.remainder(angles[1] - angles[0] + math.pi, 2 * math.pi) - math.pi  # (planes, L, columns)
+    drift = torch.remainder(apart - apart[:, :1] + math.pi, 2 * math.pi) - math.pi
+    turn = float(apart.abs().max())
+    if turn > 10 * TOLERANCE and float(drift.abs().max()) < TOLERANCE:
+        details["rotated_shift"] = {"rows": int(tables[0].shape[-2]), "turn": round(turn, 3)}
