@@ -8,6 +8,10 @@ is not read; neither is a class on the stack above the attending one (a `CausalV
 causal layer: its causal word is about its convolutions). trace/sites.py records it at each call (`class_causal`);
 checks/across.py reads `named` the other way: a cross-attention class named causal too (Perceiver AR's
 `CausalCrossAttention`) states its triangle.
+
+`both_class`: the other word, where a program states it by subclassing: its own subclass of a transformers model named
+bidirectional (`LlamaBidirectionalModel`, NV-Embed's `BidirectionalMistralModel`, LLM2Vec's `LlamaBiModel`) says the
+model's attention sees both ways (checks/bidirname.py).
 """
 
 from __future__ import annotations
@@ -32,3 +36,18 @@ def causal_class(stack: list) -> str | None:
         return None
     name = type(stack[-1]).__name__
     return name if named(name) else None
+
+
+@functools.lru_cache(maxsize=256)
+def _both_named(cls: type) -> bool:
+    """A class the program wrote (not transformers' or torch's), named bidirectional, over a transformers model."""
+    name = cls.__name__
+    if not ("bidirectional" in name.lower() or name.endswith("BiModel")) \
+            or cls.__module__.split(".")[0] in ("transformers", "torch"):
+        return False
+    return any(base.__name__ == "PreTrainedModel" and base.__module__.startswith("transformers.") for base in cls.__mro__)
+
+
+def both_class(stack: list) -> str | None:
+    """The outermost running module's class name where the program named its transformers model bidirectional."""
+    return next((type(module).__name__ for module in stack if _both_named(type(module))), None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import maskcli.checks.bidirname as bidirname
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
 from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent, transformers_config
 from maskcli.checks.real import behind_cache, slack_dropped, trimmed
@@ -394,5 +395,5 @@ RULES = (
          "row, not at its first real token (transformers' chunked_overlay)", chunks),
     Rule("bidirectional-run-causal", "wrong", "steps", "an encoder or embedding model whose config states the "
          "attention bidirectional (is_causal=False, bidirectional, use_bidirectional_attention) run causal",
-         both_ways),
+         lambda run: both_ways(run) + bidirname.named_both(run)),
 )

@@ -10,7 +10,9 @@ torch without a safe softmax (0 out of this one's). The program's other path sta
 one filled -inf contradicts it (Stylish-TTS 6cb2c17: the SDPA path filled `-inf` where the manual path fills `-1e4`;
 padded rows went NaN and, times the padding mask's 0, spread through the next convolution).
 
-Read on calls of one module (the same path) over the same kept cells; quiet where both paths fill alike, where
+Read on calls of one module over the same kept cells by two kernels (SDPA or MHA on one side, a softmax on the other: one
+kernel handed two fills, a training mask filled -inf beside an eval one filled finfo.min, is one path); quiet where
+both paths fill alike, where
 neither leaves a row with no key, where the -inf path's rows are zeroed after its softmax (the program then makes them 0 on
 purpose), and on a bool mask (its masked cells are the kernel's own fill).
 """
@@ -73,7 +75,9 @@ def paths_differ(run: Run) -> list:
             empty = ~cells.any(axis=-1)  # (b, h, Lq)
             if not empty.any():
                 continue
-            other = next((o for o in fin if o.shape == call.shape and (kept := keep(o)) is not None and same_cells(kept, cells)), None)
+            other = next((o for o in fin if o.api != call.api and o.shape == call.shape and (kept := keep(o)) is not None
+                          and same_cells(kept, cells)), None)  # (two paths: one kernel filled two ways is one path,
+            # RePlay's SASRec masking -inf in training and finfo.min in eval through one nn.MultiheadAttention)
             if other is None:
                 continue
             b = int(np.argwhere(empty.any(axis=1))[0][0])

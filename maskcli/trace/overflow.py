@@ -33,6 +33,7 @@ ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__}
 PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__rmul__}  # (read at import, as SUMS: while tracing, torch's
 # attributes are the trace's wrappers, and the mode is handed the functions torch defines)
 WATCHED = SUMS | CASTS
+BOOL_FILLS = {torch.Tensor.masked_fill, torch.Tensor.masked_fill_}  # (a fill into a bool: mmdet#12351's -9e15 became True)
 IN_PLACE = {torch.Tensor.add_}  # `scores += mask`: looked at while scores are followed, for a bool added only
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
 
@@ -93,9 +94,18 @@ def _kept(operands: list) -> bool:
     return False
 
 
-def _bool_mask(args: tuple) -> torch.Tensor | None:
-    """The first bool tensor of two or more dimensions among a sum's operands (a mask over keys, or over both)."""
-    return next((x for x in args if isinstance(x, torch.Tensor) and x.dtype == torch.bool and x.dim() >= 2), None)
+def _bool_mask(args: tuple, filled: dict) -> torch.Tensor | None:
+    """The first bool tensor of two or more dimensions among a sum's operands (a mask over keys, or over both), where
+    it holds a False or was filled with a number (`filled`): one of only True made so (`torch.ones`) adds 1 to every
+    score, which no softmax sees (ArcInstitute/state#227's fix, a 4-D mask of ones handed to Llama's eager path, where
+    it is added); one a fill of -9e15 turned all True (mmdet#12351) lost the mask the fill meant."""
+    return next((x for x in args if isinstance(x, torch.Tensor) and x.dtype == torch.bool and x.dim() >= 2
+                 and (_filled(filled, x) or not bool(x.all()))), None)
+
+
+def _filled(filled: dict, x: torch.Tensor) -> bool:
+    ref = filled.get(id(x))
+    return ref is not None and ref() is x
 
 
 NARROW = (torch.float16, torch.bfloat16)
@@ -143,10 +153,25 @@ class Overflows:
 
     def __init__(self):
         self._found: dict[int, tuple[weakref.ref, dict]] = {}
+        self._filled: dict[int, weakref.ref] = {}  # (bool tensors a number was filled into: _bool_mask)
 
     def wanted(self, func) -> bool:
         """Whether `func`'s result is looked at: a cast, a sum, or any call while a tensor is remembered."""
         return func in WATCHED or bool(self._found)
+
+    def bool_filled(self, args: tuple, kwargs: dict, out) -> None:
+        """Keep a bool tensor that a masked_fill filled with a number other than 0 or 1 (the number became True: the
+        program meant a float mask). Whatever goes wrong here is the watch's: let go."""
+        try:
+            value = args[2] if len(args) > 2 else kwargs.get("value")
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype == torch.bool:
+                value = value.item()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
+                if len(self._filled) >= KEEP:
+                    self._filled.clear()
+                self._filled[id(out)] = weakref.ref(out)
+        except Exception:  # noqa: BLE001 - the program's fill is made already
+            pass
 
     def after(self, func, args: tuple, kwargs: dict, out, scores=None) -> None:
         """Note `out` where `func` overflowed a fill, added a bool mask to scores, or computed it from a noted tensor.
@@ -154,7 +179,7 @@ class Overflows:
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not out.is_floating_point():
             return
         if func in IN_PLACE:  # (a bool added to the scores in place is read here; otherwise an in-place add is looked
-            added = _bool_mask(args)  # at only as before: while a noted tensor may be added in)
+            added = _bool_mask(args, self._filled)  # at only as before: while a noted tensor may be added in)
             if added is not None and scores is not None and scores._found and scores.has(out):
                 try:
                     self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(added.shape)})
@@ -184,7 +209,7 @@ class Overflows:
 
     def _after(self, func, args: tuple, kwargs: dict, out: torch.Tensor, scores) -> None:
         if func in ADDS and scores is not None:  # a bool mask added to scores: True adds 1, nothing is masked
-            added = _bool_mask(args)
+            added = _bool_mask(args, self._filled)
             if added is not None and any(isinstance(x, torch.Tensor) and scores.has(x) for x in args):
                 self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(added.shape)})
                 return

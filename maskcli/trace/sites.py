@@ -23,7 +23,7 @@ import torch
 
 from maskcli.trace.builders import causal_builder
 from maskcli.trace.crossing import Readings
-from maskcli.checks.causalname import causal_class
+from maskcli.checks.causalname import both_class, causal_class
 from maskcli.trace.forwardflag import around, said_both_ways, stated_flag
 from maskcli.trace.held import padding, split_top
 from maskcli.trace.masktype import mask_type
@@ -135,6 +135,7 @@ class Sites:
         for key, reader, *arguments in (
                 ("function_causal", causal_function if walked is not None else None, attending),  # (checks/causal_lm.py)
                 ("class_causal", causal_class, self.stack),  # the attending module's class named causal: the same weak word
+                ("class_both", both_class, self.stack),  # a transformers model the program subclassed, named bidirectional
                 ("decoder_builder", causal_builder, self.stack),  # a decoder whose code builds causal masks (checks/directions.py)
                 ("forward_not_causal", said_both_ways if walked is not None else None, self.stack, held, details),
                 ("shifted_windows", shifted_windows, self.stack),  # a Swin block's shifted windows and its mask (checks/swin.py)
