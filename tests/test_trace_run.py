@@ -634,3 +634,23 @@ def test_a_program_that_replaces_torch_save_still_gets_its_calls_saved(tmp_path)
     plain, traced = run_both(tmp_path, ["saves.py"], ["--save", "calls.pt"])
     assert plain.returncode == traced.returncode == 0, traced.stderr
     assert (tmp_path / "calls.pt").stat().st_size > 0 and "wrote " in traced.stderr
+
+
+def test_the_program_does_not_import_stray_modules_of_the_folder_maskcli_was_started_from(tmp_path):
+    """`python -m maskcli` puts the current folder first on sys.path (and the console script its bin folder), where
+    `python SCRIPT` puts only the script's folder: a program run from a folder of stray scripts imported them in place
+    of the library's (a blind writer's Decision Transformer, traced from /tmp, failed on a dtype another module set)."""
+    write(tmp_path / "work" / "shadowed.py", "print('the stray module of the current folder')\n")
+    write(tmp_path / "prog" / "prog.py", """
+        import sys
+        try:
+            import shadowed
+        except ImportError:
+            print("no module named shadowed, as python has it")
+        print(len([p for p in sys.path if p.endswith("work") or p == ""]))
+    """)
+    plain, traced = run_both(tmp_path / "work", [str(tmp_path / "prog" / "prog.py")])
+    assert plain.stdout == "no module named shadowed, as python has it\n0\n", plain.stderr
+    assert traced.stdout == plain.stdout, traced.stderr
+    module_plain, module_traced = run_both(tmp_path / "prog", ["-m", "prog"])  # (-m: the current folder first, both)
+    assert module_traced.stdout == module_plain.stdout, module_traced.stderr

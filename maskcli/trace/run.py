@@ -160,6 +160,7 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     try:
         try:
             _forget_main()
+            _drop_launchers_folder(saved_argv)
             if module is not None:
                 sys.argv = [module, *args]
                 sys.path.insert(0, os.getcwd())
@@ -301,6 +302,22 @@ def _forget_main() -> None:
         for space in held:
             del space["__import___main__"]
         torch._dynamo.reset()
+
+
+def _drop_launchers_folder(argv: list) -> None:
+    """Take out of sys.path the folder Python put first for maskcli's own launch (the console script's bin folder, or
+    the current folder of `python -m maskcli`), which `python SCRIPT` would not have: a program run from a folder of
+    stray modules would import them where python imports the library's (a `/tmp/a.py`). Left where Python put none
+    (-P, PYTHONSAFEPATH) or something else stands first (a test runner's folder)."""
+    if sys.flags.safe_path or not sys.path or not argv:
+        return
+    launcher = str(argv[0])
+    if launcher.endswith(os.path.join("maskcli", "__main__.py")):
+        own = (os.getcwd(), "")
+    else:
+        own = (os.path.dirname(os.path.realpath(launcher)), os.path.dirname(os.path.abspath(launcher)))
+    if sys.path[0] in own:
+        del sys.path[0]
 
 
 def _run_script(script: str) -> None:
