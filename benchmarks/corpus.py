@@ -58,7 +58,7 @@ def traced(program: Path, fixed: bool, folder: Path, tree: Path | None = None) -
     """exit status, the program's own exit status and the wrong findings' codes of one run."""
     out = folder / f"{program.stem}{'-fixed' if fixed else ''}.json"
     command = [sys.executable, "-m", "maskcli", "trace", "--json", str(out), str(program), *(["--fixed"] if fixed else [])]
-    env = None if tree is None else {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+    env = None if tree is None else {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     except subprocess.TimeoutExpired:

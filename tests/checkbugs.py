@@ -51,7 +51,7 @@ def _apart(command: list[str]) -> tuple[int, str]:
     import sys
 
     root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "maskcli", *command], capture_output=True, text=True, timeout=600,
                           env=env)
     return done.returncode, done.stdout + done.stderr

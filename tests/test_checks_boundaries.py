@@ -186,7 +186,7 @@ def test_torchtitan_eos_id_never_synced_from_the_tokenizer(tmp_path):
 
     # pytorch/torchtitan#1144: flex block_causal built on eos_id 0, the tokenizer's EOS 2 (flex: its own process)
     root = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root.parent), os.environ.get("PYTHONPATH")]))}
     found = {}
     for fixed in (False, True):
         out = tmp_path / f"t{fixed}.json"

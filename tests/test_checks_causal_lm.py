@@ -59,7 +59,7 @@ def test_doge_under_sdpas_is_causal_skip_in_its_own_process(tmp_path):
     pytest.importorskip("transformers", reason="the program builds transformers' DogeForCausalLM (the hf extra)")
     program = Path(__file__).parent / "data" / "bugs" / "doge_sdpa_causal_skip_dynamic_mask.py"
     root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     for fixed in (False, True):
         out = tmp_path / f"doge{int(fixed)}.json"
         done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", str(out), str(program),

@@ -187,7 +187,7 @@ def test_the_notebook_runs(monkeypatch):
     nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install -e .[test])")
     nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install -e .[test])")
     pytest.importorskip("ipykernel", reason="ipykernel is not installed (pip install -e .[test])")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(DOCS.parent), os.environ.get("PYTHONPATH", "")]))  # this maskcli
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(DOCS.parent), os.environ.get("PYTHONPATH")])))  # this maskcli
     notebook = nbformat.read(DOCS / "notebook.ipynb", as_version=4)
     nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(DOCS)}}).execute()
     outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]

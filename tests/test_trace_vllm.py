@@ -330,7 +330,7 @@ def real_run(kind: str, tmp_path_factory):
     made = subprocess.run([sys.executable, str(DOCS / "tiny_model.py"), kind, str(tmp / "model")], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([str(DOCS.parent.parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(DOCS.parent.parent), os.environ.get("PYTHONPATH")]))}
     expect = [word for e in EXPECT[kind] for word in ("--expect", e)]
     done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--api", "vllm", "--json", str(tmp / "t.json"),
                            "--save", str(tmp / "t.pt"), *expect, str(DOCS / "vllm_engine.py"), str(tmp / "model")],
