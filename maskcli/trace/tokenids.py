@@ -26,6 +26,8 @@ def token_ids(module) -> dict:
         return held
     found = {}
     config = getattr(module, "config", None)
+    if config is None:  # (a wrapper of its own around a model: NV-Embed's embedder, a head over a base model)
+        config = _inner_config(module)
     for name, fields in (("pad_id", ("pad_token_id", "pad_id", "pad_idx", "padding_idx")),
                          ("eos_id", ("eos_token_id", "eos_id")), ("media_token_id", ("media_token_id",)),
                          ("src_pad_id", SOURCE_PAD), ("trg_pad_id", TARGET_PAD)):
@@ -62,6 +64,17 @@ def token_ids(module) -> dict:
     except TypeError:
         pass
     return found
+
+
+def _inner_config(module):
+    """The config of the models a module holds, where every one of them states the same pad and eos ids (a wrapper
+    speaks for the model it wraps; two models that disagree, a vision tower's and a text model's, say nothing)."""
+    configs = {id(c): c for m in module.modules() if m is not module and (c := vars(m).get("config")) is not None}
+    stated = {(read(c, "pad_token_id"), read(c, "eos_token_id")) for c in configs.values()}
+    stated = {ids for ids in stated if any(isinstance(i, int) and not isinstance(i, bool) for i in ids)}
+    if len(stated) != 1:
+        return None
+    return next(c for c in configs.values() if (read(c, "pad_token_id"), read(c, "eos_token_id")) in stated)
 
 
 def _zero_row(weight) -> int | None:
