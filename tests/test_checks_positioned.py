@@ -673,3 +673,27 @@ def test_mlx_vlm_qwen3_omni_thinker_decode_rotated_at_position_zero(tmp_path):
     beside a 40-token prompt. The reference: the first decode step sees the prompt's 40 keys and its own."""
     hit = check_bug(tmp_path, "mlx_vlm_qwen3_omni_thinker_decode_rope_position_zero", "positions-vs-keys")[0]
     assert "query 0 of this cached step sees 41 keys" in " ".join(hit["message"].split()), hit
+
+
+def test_decision_transformer_window_left_padded_counts_its_padding(tmp_path):
+    """huggingface/transformers#17946 (written blind, blind-xv; missed before round 153): DecisionTransformerModel
+    handed its GPT-2 no position_ids, so wpe numbered every (return, state, action) token of the blog's left-padded
+    get_action window by its column. The reference: a window of 8 steps, 3 tokens a step, 7 of them padding at the
+    first action (21 tokens), 6 at the second (18): one row a call, its start at 21 and then at 18. The fix (position
+    ids of zeros) quiet."""
+    found = check_bug(tmp_path, "hf_decision_transformer_gpt2_wpe_positions_over_left_padded_window", "positions-vs-keys")
+    message = " ".join(found[0]["message"].split())
+    assert "call 0's batch row 0: query 21 starts a sequence (it sees only itself, and the next query sees it) at " \
+           "position 21, where call 2's batch row 0's query 18 starts one at 18" in message
+
+
+def test_prompts_scored_one_at_a_time_left_padded_without_positions(tmp_path):
+    """Written another way: GPT-2 under a reward head, one prompt a call left-padded to a window of 10 (3, 6 and 4
+    tokens: starts at 7, 4 and 6), no position_ids. The fix (the mask's cumsum) quiet; a rotary Llama scored the same
+    way is quiet either way (a row shifted whole is the same text)."""
+    found = check_bug(tmp_path, "gpt2_scored_one_left_padded_prompt_at_a_time", "positions-vs-keys", POSITIONS)
+    assert "query 7 starts a sequence (it sees only itself, and the next query sees it) at position 7, where call " \
+           "2's batch row 0's query 4 starts one at 4" in " ".join(found[0]["message"].split())
+    for args in (("llama",), ("llama", "--fixed")):
+        status, found, report = traced(tmp_path, "gpt2_scored_one_left_padded_prompt_at_a_time", False, POSITIONS, args)
+        assert status == 0 and not [f for f in found if f["code"] == "positions-vs-keys"], report

@@ -281,7 +281,7 @@ def _stepped(run: Run, done: set) -> list:
 
 def check(run: Run) -> list:
     """Each self-attention call of a model call that states positions, against the keys its queries see."""
-    found, last, counted, done = [], {}, {}, set()
+    found, last, counted, done, earlier = [], {}, {}, set(), {}
     found += _rotated(run, done)
     found += _stepped(run, done)
     for top in run.tops:
@@ -312,7 +312,7 @@ def check(run: Run) -> list:
                 source = name if table else f"{name} of {top.where}"
                 row = top.arguments.get("table_padding_row") if table else None  # (tokens at the table's padding
                 real = placed if row is None else placed & (placed_at != row)  # row are its pads: SASRec's)
-                start = starts(call, seen, real, placed_at, source, unhanded, absolute) \
+                start = starts(call, seen, real, placed_at, source, unhanded, absolute, earlier) \
                     if (unhanded or apart or absolute) and where not in done else None
                 if start is not None:
                     done.add(where)

@@ -26,7 +26,8 @@ def looked_up(top) -> tuple[str, np.ndarray, bool] | None:
     return "the rows its table of positions was read at", read.astype(np.int64), False
 
 
-def starts(call, seen, placed, placed_at, source: str, unhanded: bool, absolute: bool = False) -> Finding | None:
+def starts(call, seen, placed, placed_at, source: str, unhanded: bool, absolute: bool = False,
+           earlier: dict | None = None) -> Finding | None:
     """A prefill's queries that start a sequence (each sees only itself, and the query after it sees it and itself)
     must sit at one position, wherever their row's padding or earlier packed samples put them: with positions looked up
     in a table, the same text is embedded differently by where its batch put it (OpenRLHF#217's left-padded rows
@@ -40,7 +41,10 @@ def starts(call, seen, placed, placed_at, source: str, unhanded: bool, absolute:
     column reads other rows of the table than the same text unpadded (unsloth#4100: position_ids from the shared
     cache_position; the model's own numbering, handed none, stays its statement) (x-transformers 013e60a added each left-padded
     row's pad count to its positions where it meant to take it off); a later start in a row is a chunk's (Llama 4's
-    chunked layers) or a packed sample's, not compared."""
+    chunked layers) or a packed sample's, not compared. Where the model numbered the columns itself (`unhanded`), a
+    start is compared with the first start of the site's earlier calls too (`earlier`, by call site): a batch of one
+    row windowed over a left-padded history (the Decision Transformer's get_action, transformers#17946) puts each
+    call's one start as far on as its padding is long."""
     batch, _, q_len, k_len = call.shape
     if q_len != k_len or q_len < 2:
         return None
@@ -57,16 +61,24 @@ def starts(call, seen, placed, placed_at, source: str, unhanded: bool, absolute:
             # positions: a row's start placed by its padding is other text, unsloth#4100's cache_position)
         starts = starts[np.r_[True, starts[1:, 0] != starts[:-1, 0]]] if len(starts) else starts  # is a chunk's,
         # Llama 4's chunked layers, or a packed sample's, numbered on by its row's own statement)
-    if len(starts) < 2:
+    if not len(starts):
         return None
     at = placed_at[starts[:, 0], starts[:, 1]]
-    if at.min() == at.max():
+    first = earlier.setdefault(call.where, (call.index, *(int(x) for x in starts[0]), int(at[0]))) \
+        if earlier is not None and unhanded else None
+    if (len(starts) < 2 or at.min() == at.max()) and (first is None or first[0] == call.index or first[3] == at[0]):
         return None
-    (b0, j0), (b, j) = starts[int(np.argmin(at))], starts[int(np.argmax(at))]
-    p0, p = int(at.min()), int(at.max())
+    if len(starts) < 2 or at.min() == at.max():  # (this call's one start, against the site's first in an earlier call)
+        ours, theirs = (call.index, int(starts[0][0]), int(starts[0][1]), int(at[0])), first
+        (c, b, j, p), (c0, b0, j0, p0) = (ours, theirs) if ours[3] > theirs[3] else (theirs, ours)
+        row, where = f"call {c}'s batch row {b}", f"call {c0}'s batch row {b0}"
+    else:
+        (b0, j0), (b, j) = starts[int(np.argmin(at))], starts[int(np.argmax(at))]
+        p0, p = int(at.min()), int(at.max())
+        row, where = f"batch row {b}", f"batch row {b0}"
     return Finding("positions-vs-keys", (
-        f"batch row {b}: query {j} starts a sequence (it sees only itself, and the next query sees it) at position {p}, "
-        f"where batch row {b0}'s query {j0} starts one at {p0}: looked up in a table of positions, the same tokens are "
+        f"{row}: query {j} starts a sequence (it sees only itself, and the next query sees it) at position {p}, "
+        f"where {where}'s query {j0} starts one at {p0}: looked up in a table of positions, the same tokens are "
         f"embedded by where the batch put them, counting {p - p0} tokens before them they do not see (left padding or "
         f"an earlier packed sample): " + ("the model takes position_ids and the call handed none" if unhanded else
                                           "the program numbers each row itself, and puts these starts apart" if
