@@ -75,15 +75,19 @@ def shifted(run: Run) -> list:
         if not shift or _other_tensor(call) or call.shape[3] < call.shape[2]:
             continue
         rows = shift["rows"]
-        found.setdefault(call.where, []).append((call, Finding("query-rotated-apart", (
-            f"{call.where} (call {call.index}, step {call.step}): its {rows} queries and the keys of its own {rows} "
-            f"tokens were rotated by two (cos, sin) tables, each token's angles turned from one to the other by one "
-            f"same amount in every rotary pair: a shift of positions, so every query reads "
-            f"every key as nearer or farther than it is (the queries rotated after a cache's offset advanced past the "
-            f"keys, or with other positions than the keys?)"),
-            expected="queries rotated at their own keys' positions", source=f"the rotary factors at {call.where}",
-            cell=(0, 0, 0, 0))))
+        found.setdefault(call.where, []).append((call, _factors(call, "query-rotated-apart", (
+            f"its {rows} queries and the keys of its own {rows} tokens were rotated by two (cos, sin) tables, each "
+            f"token's angles turned from one to the other by one same amount in every rotary pair: a shift of "
+            f"positions, so every query reads every key as nearer or farther than it is (the queries rotated after a "
+            f"cache's offset advanced past the keys, or with other positions than the keys?)"),
+            "queries rotated at their own keys' positions")))
     return [one for said in found.values() for one in _once(said)]
+
+
+def _factors(call, code: str, text: str, expected: str) -> Finding:
+    """A finding read off the rotary factors of a call (said of the site, at its first cell)."""
+    return Finding(code, f"{call.where} (call {call.index}, step {call.step}): {text}", expected=expected,
+                   source=f"the rotary factors at {call.where}", cell=(0, 0, 0, 0))
 
 
 def _once(said: list) -> list:
@@ -136,12 +140,10 @@ def one_position(run: Run) -> list:
                      f"rotated: a sequence that grows, not a count of heads),")
         else:
             continue
-        found.setdefault(call.where if q_len == k_len else "", []).append((call, Finding("rotated-at-one-position", (
-            f"{call.where} (call {call.index}, step {call.step}): {which} were all rotated by one (cos, sin) row "
-            f"broadcast over them: every token at one position, so the rotation says nothing of their order (a "
-            f"rotary table sized by another axis than the tokens', or built for one token and applied to many?)"),
-            expected="a rotary row per token, at its position", source=f"the rotary factors at {call.where}",
-            cell=(0, 0, 0, 0))))
+        found.setdefault(call.where if q_len == k_len else "", []).append((call, _factors(call, "rotated-at-one-position", (
+            f"{which} were all rotated by one (cos, sin) row broadcast over them: every token at one position, so the "
+            f"rotation says nothing of their order (a rotary table sized by another axis than the tokens', or built "
+            f"for one token and applied to many?)"), "a rotary row per token, at its position")))
     return [one for said in found.values() for one in _once(said)]
 
 
