@@ -697,3 +697,36 @@ def test_prompts_scored_one_at_a_time_left_padded_without_positions(tmp_path):
     for args in (("llama",), ("llama", "--fixed")):
         status, found, report = traced(tmp_path, "gpt2_scored_one_left_padded_prompt_at_a_time", False, POSITIONS, args)
         assert status == 0 and not [f for f in found if f["code"] == "positions-vs-keys"], report
+
+
+def test_opennmt_tf_lm_generated_tokens_numbered_from_one_after_the_context(tmp_path):
+    """OpenNMT/OpenNMT-tf#498 (written blind, blind-th; missed before round 154): the language model ran its context
+    at positions 1..8 and then numbered each generated token from 1 again (its sinusoidal timing signal added by a
+    position encoder whose frame is gone before attention: trace/sinusoid.py reads the positions back from the values
+    added). The fix (the step offset by the context's length) quiet."""
+    found = check_bug(tmp_path, "opennmt_tf_lm_generate_from_context_step_positions_restart", "positions-vs-keys")
+    assert "(at position 8), yet its position is 1, not 9" in \
+        " ".join(found[0]["message"].split())
+
+
+def test_a_sinusoid_table_added_from_row_zero_at_every_step_is_found(tmp_path):
+    """Written another way: the Annotated Transformer's interleaved `pe` buffer, sliced `pe[:, :n]` at every cached
+    step (a prompt of 6 at 0..5, each generated token at 0 again). The fix (sliced from the cache's length) quiet."""
+    found = check_bug(tmp_path, "sinusoid_table_decode_restarts_at_zero", "positions-vs-keys", POSITIONS)
+    assert "(at position 5), yet its position is 0, not 6" in " ".join(found[0]["message"].split())
+
+
+def test_opennmt_py_lm_fix_leaves_a_position_unused(tmp_path):
+    """OpenNMT/OpenNMT-py#2099 (written blind, blind-xx): before it, generated tokens were numbered from 1 after a
+    prompt of 7 (positions 0..6); its fix hands `step + src_lengths[0]`, so the first generated token sits at 8, one
+    past the position the cache's next key holds: a true finding on the fix too, upstream's code as shipped."""
+    folder = Path(__file__).parent / "data" / "blind"
+    name = "opennmt_py_lm_generate_step_positions_restart_after_prompt"
+    messages = {}
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, name, fixed, folder)
+        said = [" ".join(f["message"].split()) for f in found if f["code"] == "positions-vs-keys"]
+        assert status == 1 and said, report
+        messages[fixed] = said[0]
+    assert "(at position 6), yet its position is 1, not 7" in messages[False]
+    assert "(at position 6), yet its position is 8, not 7: the position is ahead of the keys it writes" in messages[True]

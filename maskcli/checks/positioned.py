@@ -356,6 +356,9 @@ def check(run: Run) -> list:
                                       "padding not subtracted at this step?)" if pads and p - before.position - 1 == pads else
                                       "the position is ahead of the keys it writes (advanced before the forward?)"
                                       if p > before.position else
+                                      "the step is numbered from the start again while its key is appended after the "
+                                      "cache (the positions not offset by the cache's length?)" if p < before.position
+                                      and p <= 1 else
                                       "the position does not move on while the cache grows by a key (a length read "
                                       "off another axis of the cache, its heads? keys of tokens no longer in the "
                                       "sequence kept, not rolled back?)")

@@ -28,6 +28,7 @@ from maskcli.trace.discarded import FILLS, wanted as _fill
 from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.maskmean import MEANS, REDUCES, over_positions, reduced
 from maskcli.trace.overflow import CASTS, may_overflow
+from maskcli.trace.sinusoid import candidate as stands_for_positions
 from maskcli.trace.patch import swap
 from maskcli.trace.permuted import GATHERS, noted
 from maskcli.trace.poolweights import fills_or, weighs_or
@@ -126,7 +127,8 @@ def _cast(args: tuple, kwargs: dict, out) -> bool:
 def _sum(args: tuple, kwargs: dict, out) -> bool:
     """A sum or product that may have overflowed a fill (overflow.py's may_overflow). (Every sum a model runs passes
     here: its dtype is looked up in a set, which costs less than asking the tensor.)"""
-    return isinstance(out, torch.Tensor) and out.dtype in _FLOATING and out.dim() >= 2 and may_overflow(args, kwargs, out)
+    return isinstance(out, torch.Tensor) and out.dtype in _FLOATING and out.dim() >= 2 \
+        and (may_overflow(args, kwargs, out) or stands_for_positions(args, out))  # (or adds a position encoding)
 
 
 _FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)

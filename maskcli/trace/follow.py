@@ -24,7 +24,8 @@ from maskcli.trace.pooled import Pooled
 from maskcli.trace.poolweights import Pool, attended, weighting
 from maskcli.trace.posbias import bias_of
 from maskcli.trace.ranked import TOPS, Ranked
-from maskcli.trace.overflow import BOOL_FILLS, IN_PLACE, WATCHED
+from maskcli.trace.overflow import ADDS, BOOL_FILLS, IN_PLACE, WATCHED
+import maskcli.trace.sinusoid as sinusoid
 from maskcli.trace.regrouped import reshaped
 from maskcli.trace.scores import HEADS, MATMULS, RESHAPES, as_matrix, as_unfolded, stated_heads
 from maskcli.trace.shifted import shifted_reader
@@ -313,6 +314,8 @@ class Follow:
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
         elif func in BOOL_FILLS and isinstance(out, torch.Tensor) and out.dtype == torch.bool and not self.busy:
             self.overflows.bool_filled(args, kwargs, out)  # (a number filled into a bool mask: overflow.py)
+        if func in ADDS and not self.busy:  # (a sinusoidal position encoding added to the inputs: sinusoid.py)
+            sinusoid.note(self._local, args, out)
         if func in MATMULS and self._pooled is not None and self._pooled.held and not self.busy:
             reader = self._pooled.product(func, args, kwargs)  # (weights summed off their softmax's axis: pooled.py)
             if isinstance(reader, Pool):  # (or over it: a pooling, kept with its model call, poolweights.py)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from maskcli.trace.losses import watched as losses
+from maskcli.trace.sinusoid import taken
 
 NAMES = re.compile(r"^_*(?:wpe|embed_positions|position_embeddings?|positional_embeddings?|pos_emb(?:ed|edding|eddings)?"
                    r"|pos_embeddings?)$")
@@ -83,8 +84,9 @@ def table_positions(module, local) -> dict:
     except Exception:  # noqa: BLE001 - a program's module that cannot be walked: no table read
         return {}
     found = None if weight is None else held.pop(id(weight), None)
+    encoded = taken(held) if held else None  # (a sinusoidal encoding added: sinusoid.py; a learned table first)
     if found is None:
-        return {}
+        return {} if encoded is None else {"table_positions": encoded}
     row = next((each.padding_idx for each in module.modules() if isinstance(each, torch.nn.Embedding)
                 and each.weight is weight), None)  # (its padding row: SASRec's pads take position 0, a zero row)
     return {"table_positions": found, **({} if row is None else {"table_padding_row": int(row)})}
