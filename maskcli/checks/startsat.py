@@ -64,13 +64,12 @@ def starts(call, seen, placed, placed_at, source: str, unhanded: bool, absolute:
     if not len(starts):
         return None
     at = placed_at[starts[:, 0], starts[:, 1]]
-    first = earlier.setdefault(call.where, (call.index, *(int(x) for x in starts[0]), int(at[0]))) \
-        if earlier is not None and unhanded else None
-    if (len(starts) < 2 or at.min() == at.max()) and (first is None or first[0] == call.index or first[3] == at[0]):
-        return None
-    if len(starts) < 2 or at.min() == at.max():  # (this call's one start, against the site's first in an earlier call)
-        ours, theirs = (call.index, int(starts[0][0]), int(starts[0][1]), int(at[0])), first
-        (c, b, j, p), (c0, b0, j0, p0) = (ours, theirs) if ours[3] > theirs[3] else (theirs, ours)
+    ours = (call.index, int(starts[0][0]), int(starts[0][1]), int(at[0]))
+    first = earlier.setdefault(call.where, ours) if earlier is not None and unhanded else None
+    if at.min() == at.max():  # (this call's starts at one place: held against the site's first, in an earlier call)
+        if first is None or first[3] == ours[3]:
+            return None
+        (c, b, j, p), (c0, b0, j0, p0) = (ours, first) if ours[3] > first[3] else (first, ours)
         row, where = f"call {c}'s batch row {b}", f"call {c0}'s batch row {b0}"
     else:
         (b0, j0), (b, j) = starts[int(np.argmin(at))], starts[int(np.argmax(at))]

@@ -164,7 +164,7 @@ class Overflows:
         program meant a float mask). Whatever goes wrong here is the watch's: let go."""
         try:
             value = args[2] if len(args) > 2 else kwargs.get("value")
-            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype == torch.bool:
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
                 value = value.item()
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
                 if len(self._filled) >= KEEP:

@@ -94,7 +94,7 @@ def _distinct(entries: list) -> list:
 
 
 def shifted(details: dict, entries: list) -> None:
-    """details["rotated_shift"] = {"rows": the tokens, "turn": the largest angle apart (radians)}: where the factors of
+    """details["rotated_shift"] = {"rows": the tokens}: where the factors of
     the call's own tokens are two (cos, sin) pairs, each token of a batch row turned by one same angle from one to the
     other in every column (a shift of positions), at two tokens or more."""
     tables = _distinct(entries)
@@ -107,6 +107,5 @@ def shifted(details: dict, entries: list) -> None:
         angles.append(torch.atan2(sin, cos).reshape(-1, cos.shape[-2], cos.shape[-1]))
     apart = torch.remainder(angles[1] - angles[0] + math.pi, 2 * math.pi) - math.pi  # (planes, L, columns)
     drift = torch.remainder(apart - apart[:, :1] + math.pi, 2 * math.pi) - math.pi
-    turn = float(apart.abs().max())
-    if turn > 10 * TOLERANCE and float(drift.abs().max()) < TOLERANCE:
-        details["rotated_shift"] = {"rows": int(tables[0].shape[-2]), "turn": round(turn, 3)}
+    if float(apart.abs().max()) > 10 * TOLERANCE and float(drift.abs().max()) < TOLERANCE:
+        details["rotated_shift"] = {"rows": int(tables[0].shape[-2])}

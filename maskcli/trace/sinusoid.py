@@ -25,58 +25,49 @@ BASE = 10000.0
 
 def candidate(args: tuple, out) -> bool:
     """Whether a sum may add a position encoding, by shapes alone (trace/entry.py asks it of every sum a model runs
-    that may not overflow): one operand needs no gradient, has the result's width, and is broadcast over the other or
-    a slice of a larger tensor."""
-    if len(args) != 2:
-        return False
+    that may not overflow)."""
+    return _operand(args, out) is not None
+
+
+def _operand(args: tuple, out) -> torch.Tensor | None:
+    """The operand of a sum that may be a position encoding: it needs no gradient, has the result's width, and is
+    broadcast over the other or a slice of a larger tensor."""
+    if len(args) != 2 or type(out) is not torch.Tensor or out.dim() < 2:
+        return None
     a, b = args
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor \
             or a.shape == b.shape and a._base is None and b._base is None:  # (a residual's sum: the common case)
-        return False
+        return None
     width = out.shape[-1]
     if width < 8 or width % 4:
-        return False
+        return None
     for x, y in ((b, a), (a, b)):
         if not x.requires_grad and x.shape[-1] == width and (x.dim() < y.dim() or x.numel() < y.numel() or x._base
                                                               is not None and x._base.numel() > x.numel()):
-            return True
-    return False
+            return x
+    return None
 
 
 def note(local, args: tuple, out) -> None:
     """Keep the positions of a sinusoidal encoding one operand of this sum holds (whatever goes wrong: let go)."""
     try:
-        if len(args) != 2 or type(out) is not torch.Tensor or out.dim() < 2 or not out.is_floating_point():
+        x = _operand(args, out)
+        if x is None or not x.is_floating_point() or x.device.type == "meta":
             return
-        width = out.shape[-1]
-        if width < 8 or width % 4:
-            return
-        for x in args:
-            if type(x) is not torch.Tensor or x.requires_grad or x.dim() < 1 or x.shape[-1] != width \
-                    or not x.is_floating_point() or x.device.type == "meta":
-                continue
-            base = x._base
-            if not (x.dim() < out.dim() or x.numel() < out.numel()
-                    or base is not None and not base.requires_grad and base.numel() > x.numel()):
-                continue
-            rows = x.detach().reshape(-1, width) if x.dim() == 1 else _rows(x.detach())
-            if rows is None or rows.shape[0] > MOST:
-                continue
-            at = positions(rows)
-            if at is not None:
-                held = local.__dict__.setdefault("tables", {})
-                kept = held.setdefault("sinusoid", [])
-                if len(kept) >= 16:  # (a program without a model call to take them: the last few kept)
-                    del kept[0]
-                kept.append(at[None, :])
-                return
+        rows = _rows(x.detach())
+        at = None if rows is None or rows.shape[0] > MOST else positions(rows)
+        if at is not None:
+            kept = local.__dict__.setdefault("tables", {}).setdefault("sinusoid", [])
+            if len(kept) >= 16:  # (a program without a model call to take them: the last few kept)
+                del kept[0]
+            kept.append(at[None, :])
     except Exception:  # noqa: BLE001 - the program's sum is made already; nothing reaches it
         return
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
     """(L, d): the encoding's one row per token, whatever axes broadcast it (batch-first (1, L, d), sequence-first
-    (L, 1, d), or (L, d)); None where it varies along another axis than its tokens'."""
+    (L, 1, d), (L, d) or one row (d,)); None where it varies along another axis than its tokens'."""
     shape = [n for n in x.shape[:-1] if n > 1]
     if len(shape) > 1:
         return None

@@ -70,11 +70,9 @@ def _inner_config(module):
     """The config of the models a module holds, where every one of them states the same pad and eos ids (a wrapper
     speaks for the model it wraps; two models that disagree, a vision tower's and a text model's, say nothing)."""
     configs = {id(c): c for m in module.modules() if m is not module and (c := vars(m).get("config")) is not None}
-    stated = {(read(c, "pad_token_id"), read(c, "eos_token_id")) for c in configs.values()}
-    stated = {ids for ids in stated if any(isinstance(i, int) and not isinstance(i, bool) for i in ids)}
-    if len(stated) != 1:
-        return None
-    return next(c for c in configs.values() if (read(c, "pad_token_id"), read(c, "eos_token_id")) in stated)
+    stated = {key: (read(c, "pad_token_id"), read(c, "eos_token_id")) for key, c in configs.items()}
+    stated = {key: ids for key, ids in stated.items() if any(isinstance(i, int) and not isinstance(i, bool) for i in ids)}
+    return configs[next(iter(stated))] if len(set(stated.values())) == 1 else None
 
 
 def _zero_row(weight) -> int | None:
