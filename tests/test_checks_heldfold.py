@@ -41,8 +41,83 @@ def test_beyond_batch_reads_a_first_axis_folded_with_the_module_heads():
 
     lengths = {"kind": "lengths", "rows": np.array([12, 5, 9, 3])}
     alone = SimpleNamespace(shape=(4, 1, 1, 12), details={"own_heads": 4})
-    assert beyond_batch(alone, lengths)
-    assert not beyond_batch(SimpleNamespace(shape=(16, 1, 1, 12), details={"own_heads": 4}), lengths)
-    assert not beyond_batch(SimpleNamespace(shape=(4, 1, 1, 12), details={}), lengths)
-    assert not beyond_batch(SimpleNamespace(shape=(4, 4, 1, 12), details={"own_heads": 4}), lengths)  # (heads apart)
-    assert not beyond_batch(alone, {"kind": "lengths", "rows": np.array([12])})
+    assert beyond_batch(None, alone, lengths)
+    assert not beyond_batch(None, SimpleNamespace(shape=(16, 1, 1, 12), details={"own_heads": 4}), lengths)
+    assert not beyond_batch(None, SimpleNamespace(shape=(4, 1, 1, 12), details={}), lengths)
+    assert not beyond_batch(None, SimpleNamespace(shape=(4, 4, 1, 12), details={"own_heads": 4}), lengths)  # (heads apart)
+    assert not beyond_batch(None, alone, {"kind": "lengths", "rows": np.array([12])})
+
+
+BEAMS = """import sys
+import torch
+import torch.nn as nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, memory, mask):
+        scores = self.q(x) @ self.k(memory).transpose(-1, -2) / x.shape[-1] ** 0.5
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))  # mask: True = padding, (B, 1, Lk)
+        return torch.softmax(scores, dim=-1) @ self.v(memory)
+
+
+class Encoder(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = Attention(d)
+
+    def forward(self, x, mask):
+        return self.attn(x, x, mask) + x
+
+
+class Decoder(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.cross_attn = Attention(d)
+
+    def forward(self, y, memory, memory_mask):
+        return self.cross_attn(y, memory, memory_mask) + y
+
+
+def main():
+    torch.manual_seed(0)
+    d = 8
+    encoder, decoder = Encoder(d), Decoder(d)
+    lengths = [5, 3, 4]
+    source = torch.randn(3, 5, d)
+    pad = torch.arange(5)[None, :] >= torch.tensor(lengths)[:, None]
+    source = source.masked_fill(pad[:, :, None], 0.0)
+    memory = encoder(source, pad[:, None, :])
+    target = torch.randn(3, 2, d)
+    out = decoder(target, memory, pad[:, None, :] if "--fixed" in sys.argv else None)  # teacher-forced training step
+    print("train", float(out.detach().sum()))
+    # beam search over the first sentence alone: its memory repeated for 3 beams
+    one = source[:1, :lengths[0]]
+    one_pad = torch.zeros(1, 1, lengths[0], dtype=torch.bool)
+    memory = encoder(one, one_pad).repeat(3, 1, 1)
+    beams = torch.randn(3, 1, d)
+    for step in range(2):
+        beams = torch.cat([beams, decoder(beams, memory, one_pad)[:, -1:]], dim=1)
+    print("beams", float(beams.sum()))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_memory_copied_from_another_batch_is_not_held_to_the_batch_lengths(tmp_path):
+    """A beam search over one sentence, its memory one encoder row repeated per beam, while main() holds the training
+    batch's lengths of as many rows (quiet-r157b, tunz/transformer-pytorch's decoder.py): the beams' cross-attention
+    is quiet; the training step's cross-attention handed no mask is still caught, as the encoder's padding dropped."""
+    from checkbugs import traced
+
+    (tmp_path / "beams.py").write_text(BEAMS)
+    status, found, output = traced(tmp_path, "beams", True, folder=tmp_path)
+    assert status == 0 and not found, output
+    status, found, output = traced(tmp_path, "beams", False, folder=tmp_path)
+    assert status == 1 and {f["code"] for f in found} == {"encoder-padding-ignored"}, output

@@ -211,7 +211,7 @@ def held_padding(run: Run) -> list:
         wider = _wider_pairs(helds, rows, k_len)
         batch = handed_batch(run, call)
         for held in helds:
-            if id(held) in wider or batch is not None and rows_of(held) == rows or beyond_batch(call, held):
+            if id(held) in wider or batch is not None and rows_of(held) == rows or beyond_batch(run, call, held):
                 continue  # (a pair mask wider than its batch's padding; another batch's: heldfold.handed_batch)
             tables = readings(held, rows, k_len, ids) if _tracks_keys(run, call, held) \
                 and not _per_sequence(run, call, held) else []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import crossing
+from maskcli.checks.context import cross, crossing
 
 
 def padded_batch(real: np.ndarray, right_only: bool) -> bool:
@@ -105,11 +105,33 @@ def rows_of(held: dict) -> int | None:
     return found.shape[0] if found.ndim >= 1 and held["kind"] in ("keep", "pad", "lengths", "relative") else None
 
 
-def beyond_batch(call, held: dict) -> bool:
-    """A held padding of more rows than the call's batch, where its first axis folds the batch with the heads its
+def beyond_batch(run, call, held: dict) -> bool:
+    """A held padding of another batch than the call's: its memory copied from another batch's rows (_copied_other),
+    or more rows than the call's batch, where its first axis folds the batch with the heads its
     module states (fairseq's `bsz * num_heads` rows, one head axis of 1): the padding of a larger batch, not this
     call's (a sample run alone after the batch, 4 heads over 1 sample read as 4 samples by their count alone)."""
+    if _copied_other(run, call, held):
+        return True
     heads = call.details.get("own_heads") or call.details.get("stated_heads")
     rows, count = call.shape[0], rows_of(held)
     return isinstance(heads, int) and heads > 1 and call.shape[1] == 1 and rows % heads == 0 and count is not None \
         and count > rows // heads
+
+
+def _copied_other(run, call, held: dict) -> bool:
+    """A cross-attention whose memory's rows are copies of an earlier model call's output rows (checks/memrows.py) of
+    another batch than the one a held padding covers: each row's padding is its source row's, so a padding of as many
+    rows as this call's, held by a caller, is another batch's (a beam search over one sentence, its memory repeated per
+    beam, while the training batch's lengths are held: tunz/transformer-pytorch's decoder.py)."""
+    from maskcli.checks.memrows import copied_rows
+
+    count = rows_of(held)
+    if count is None or not cross(call):
+        return False
+    copied = copied_rows(run, call, call.shape[0], run.__dict__.setdefault("_copied_rows", {}))
+    if not copied or any(one is None for one in copied) or len({id(one.top) for one in copied}) != 1:
+        return False
+    held_rows = copied[0].top.arguments.get("output_rows")
+    sources = {len(hashes) for hashes in held_rows.values()} if isinstance(held_rows, dict) else set()
+    return sources != {count} or [one.row for one in copied] != list(range(count))
+

@@ -56,12 +56,13 @@ def _then(args: tuple, kwargs: dict) -> dict:
 
 
 def _masks_handed(module, args: tuple, kwargs: dict) -> bool:
-    """The call was handed an integer or bool tensor of at most 2 dimensions under a name with `mask` in it (its
-    attention_mask, padding_mask...: what the checks read of its arguments and a program may change after the call)."""
+    """The call was handed an integer or bool tensor of at most 4 dimensions under a name with `mask` in it (its
+    attention_mask, padding_mask, a hand-written model's (B, 1, L) `src_mask`...: what the checks read of its arguments
+    and a program may change after the call; and where its return is watched, its output rows are hashed, outrows.py)."""
     from maskcli.trace.tops import _given
 
     given = _given(module, args, kwargs)[1] if args else kwargs
-    return any("mask" in name and type(value) is torch.Tensor and value.dim() <= 2 and not value.is_floating_point()
+    return any("mask" in name and type(value) is torch.Tensor and value.dim() <= 4 and not value.is_floating_point()
                for name, value in given.items())
 
 
