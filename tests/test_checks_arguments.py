@@ -124,16 +124,17 @@ def test_documents_start_where_positions_restart_between_real_tokens():
 BACKWARDS = """
 import torch, torch.nn.functional as F
 def attend(x, position_ids):
-    q = x.view(1, 5, 2, 4).transpose(1, 2)
+    q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
     mask = position_ids[0][:, None] >= position_ids[0][None, :]  # each query sees the keys at its position or before
     return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-print(attend(torch.randn(1, 5, 8), torch.tensor([POSITIONS])).shape)
+print(attend(torch.randn(1, len(POSITIONS), 8), torch.tensor([POSITIONS])).shape)
 """
 
 
 def test_positions_laid_backwards_pack_no_documents(tmp_path):
     """position_ids 4, 3, 2, 1, 0 go down at every step: one sequence laid backwards, its mask built from them (key j
-    seen where its position is at most the query's), not packed documents whose last starts at the 0; no
+    seen where its position is at most the query's), not packed documents whose last starts at the 0 (nor 3, 0, 1, 2,
+    4, 5, jumping up from 2 to 4 and counting on: one sequence's positions shuffled, quiet-r158a's ConSERT); no
     held-documents-leak, exit 0. The same program with 0, 1, 2, 0, 1 (two packed documents) and the mask built from
     those positions (causal over the whole row) lets query 3 see key 0 of the other document: found, exit 1."""
     import json
@@ -142,13 +143,15 @@ def test_positions_laid_backwards_pack_no_documents(tmp_path):
     from maskcli.commands import app
 
     script, out = tmp_path / "backwards.py", tmp_path / "b.json"
-    for positions, status in (("[4, 3, 2, 1, 0]", 0), ("[0, 1, 2, 3, 4]", 0), ("[0, 1, 2, 0, 1]", 1)):
+    for positions, status in (("[4, 3, 2, 1, 0]", 0), ("[0, 1, 2, 3, 4]", 0), ("[3, 0, 1, 2, 4, 5]", 0),
+                             ("[0, 1, 2, 0, 1]", 1)):
         script.write_text(BACKWARDS.replace("POSITIONS", positions))
         result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
         codes = [f["code"] for g in json.loads(out.read_text())["groups"] for f in g["findings"] if f["severity"] == "wrong"]
         assert (result.exit_code, codes) == ((0, []) if status == 0 else (1, ["held-documents-leak"])), result.output
-    rows = np.array([[4, 3, 2, 1, 0], [0, 1, 2, 0, 1], [0, 1, 2, 1, 0]])
-    expected = [[0] * 5, [0, 0, 0, 1, 1], [0] * 5]  # (a row that goes down other than to 0 packs nothing)
+    rows = np.array([[4, 3, 2, 1, 0, 0], [0, 1, 2, 0, 1, 2], [0, 1, 2, 1, 0, 0], [3, 0, 1, 2, 4, 5], [2, 3, 0, 1, 2, 9]])
+    expected = [[0] * 6, [0, 0, 0, 1, 1, 1], [0] * 6, [0] * 6, [0, 0, 1, 1, 1, 1]]  # (a row that goes down other than to 0,
+    # or jumps up into positions that count on, one sentence's positions shuffled (ConSERT), packs nothing)
     assert document_starts(rows, None).tolist() == expected
 
 

@@ -271,10 +271,13 @@ def document_starts(position_ids: np.ndarray, real: np.ndarray | None) -> np.nda
     """Int64 (B, L): each token's document number, a new one where the position restarts at 0 after a real token.
     `real` is the model call's attention_mask: 0 = padding, any other value a real token (a multipack collator writes
     each packed sample's number there, 1, 1, 2, 2, 2, 3: axolotl's multipack collator). A row whose positions go down
-    anywhere but to 0 between real tokens (4, 3, 2, 1, 0: a sequence laid backwards) packs no documents: none read."""
+    anywhere but to 0 between real tokens (4, 3, 2, 1, 0: a sequence laid backwards), or jumps up by more than one into
+    positions that count on (3, 0, 1, 2, 4, 5: one sentence's positions shuffled, ConSERT's augmentation), packs no
+    documents: none read."""
     restart = np.zeros(position_ids.shape, dtype=bool)
     restart[:, 1:] = (position_ids[:, 1:] == 0) & (position_ids[:, :-1] >= 0)
     down = (position_ids[:, 1:] < position_ids[:, :-1]) & (position_ids[:, 1:] != 0)
+    down[:, :-1] |= (position_ids[:, 1:-1] > position_ids[:, :-2] + 1) & (position_ids[:, 2:] == position_ids[:, 1:-1] + 1)
     if real is not None:
         both = (real[:, 1:] != 0) & (real[:, :-1] != 0)
         restart[:, 1:] &= both
