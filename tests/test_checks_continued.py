@@ -38,3 +38,15 @@ def test_halves_run_apart_with_no_state_kept_are_two_sequences(tmp_path):
     status, found, report = traced(tmp_path, "time_major_encoder_halves_evaluated_apart", False, CONTINUED)
     assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
     assert "2 groups" in report and "(2,2,4,4)" in report  # (both halves were read: quiet by the rule, not unseen)
+
+
+def test_a_one_pass_that_calls_a_site_in_pieces_holds_no_rows_to_align(tmp_path):
+    """A vision encoder that attends image by image (one softmax per image at one line, GLM-4V's eager attention over
+    cu_seqlens: quiet-r159b), run over three images at once and then over the first and the other two apart: its first
+    call at the site is the first image's alone, not the one pass's rows, so the last image's 4 keys are not compared
+    with the first image's 6. Quiet; each image's patches see their own image's in every run."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "vision_encoder_images_attended_apart_in_pieces", False, CONTINUED)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
+    assert "(1,1,6,6)" in report and "(1,1,9,9)" in report and "(1,1,4,4)" in report  # (every image's call read)

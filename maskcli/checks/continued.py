@@ -6,12 +6,13 @@ continues the first: a model that caches what its first call wrote (TabPFN's fit
 each row of the second what the one pass shows it. Told by the rows themselves: every tensor argument the one pass
 and the second call share, row for row along their first axis (trace/samplerows.py), is the first call's rows then
 the second's. A query of the second call (its last rows, aligned with the one pass's last) that sees fewer keys than
-the one pass shows the same row, at a site of the same batch rows, is wrong (PriorLabs/TabPFN#852: the thinking tokens
+the one pass shows the same row, at a site of the same batch rows that the one pass calls once, is wrong (PriorLabs/TabPFN#852: the thinking tokens
 prepended again at prediction moved single_eval_pos, so the test rows saw the 4 fresh thinking rows and overwrote the
 cached 14). Quiet where the second call sees as many keys (the cache read), where the rows are not the one pass's
 split in two in order, where no module state (a tensor assigned to a module's attribute, trace/assigned.py) was
-written between the two calls' starts (two halves run apart on purpose), and on batch-major ids (their first axis is
-the batch: rows are whole sequences).
+written between the two calls' starts (two halves run apart on purpose), on batch-major ids (their first axis is
+the batch: rows are whole sequences), and at a site the one pass calls in pieces (a vision encoder's softmax per
+image, GLM-4V's eager attention over cu_seqlens: no one call holds the rows, so none is aligned with the second's).
 """
 
 from __future__ import annotations
@@ -75,9 +76,12 @@ def continued(run: Run) -> list:
     """The queries of a continuing call that see fewer keys than the one pass shows their rows (_split)."""
     found = []
     for whole, first, second, n in _split(run):
-        ones = {}
+        ones, pieces = {}, set()
         for call in _made_by(run, whole):
-            ones.setdefault(call.where, call)
+            if ones.setdefault(call.where, call) is not call:
+                pieces.add(call.where)  # (a site the one pass calls in pieces, one per image: no call holds its rows)
+        for where in pieces:
+            del ones[where]
         for call in _made_by(run, second):
             one = ones.get(call.where)
             if one is None or one.shape[0] != call.shape[0] or min(one.shape[2], call.shape[2]) < n:
