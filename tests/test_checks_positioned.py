@@ -730,3 +730,12 @@ def test_opennmt_py_lm_fix_leaves_a_position_unused(tmp_path):
         messages[fixed] = said[0]
     assert "(at position 6), yet its position is 1, not 7" in messages[False]
     assert "(at position 6), yet its position is 8, not 7: the position is ahead of the keys it writes" in messages[True]
+
+
+def test_nanovllm_decode_position_one_past_its_key(tmp_path):
+    """GeeeekExplorer/nano-vllm#67 (written blind, blind-ys): prepare_decode numbered the sampled token len(seq), one
+    past the slot its key is written to and the keys context_lens counts. Its attention written out per request, a
+    (heads, Lq, Lk) softmax each (the heads read as the call's rows), the positions one flat list over the requests.
+    The fix (len(seq) - 1) quiet."""
+    found = check_bug(tmp_path, "nanovllm_decode_positions_one_past_last_token", "positions-vs-keys")
+    assert "(at position 6), yet its position is 8, not 7" in " ".join(found[0]["message"].split())

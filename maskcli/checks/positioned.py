@@ -18,8 +18,9 @@ its right; where those hold, three statements must agree:
   that holds keys of tokens that are not before it (mlc-llm#2939 never rolled the draft model's cache back after
   chain drafting, so the rejected drafts stayed in it).
 
-Rows are the call's batch rows; a site called once per request in one model call (batch 1 each, their queries as
-many as the positions, sglang's per-request loop) has the requests for rows. Left alone: a query that sees no key,
+Rows are the call's batch rows; a site called once per request in one model call (batch 1 each, or rows that are its
+module's heads alone, a (heads, Lq, Lk) softmax per request, nano-vllm's attention written out; their queries as many
+as the positions, sglang's per-request loop) has the requests for rows. Left alone: a query that sees no key,
 its own not or one to its right (padding, a bidirectional span), calls whose queries are not as many as the
 positions, multimodal rope's (C, B, L) positions where any token's rows differ (an image's tokens share positions;
 a text's three rows, all equal, count as 1-D positions), cross-attention.
@@ -98,13 +99,15 @@ def _placed(calls: list, positions: np.ndarray) -> list:
                 return []
             found.append((call, np.arange(batch), laid))
         return found
-    if rows == 1 and len(calls) > 1 and sum(lens) == length and all(call.shape[0] == 1 for call in calls):
-        starts = np.cumsum([0] + lens)  # one call per request, their tokens one after the other (a ragged batch)
-        laid = [positions[:, starts[i]:starts[i + 1]] for i in range(len(calls))]
+    if rows == 1 and len(calls) > 1 and sum(lens) == length and all(call.shape[0] == 1 or call.shape[1] == 1 and
+                                                                    call.details.get("own_heads") == call.shape[0]
+                                                                    for call in calls):
+        starts = np.cumsum([0] + lens)  # one call per request, their tokens one after the other (a ragged batch; its
+        laid = [positions[:, starts[i]:starts[i + 1]] for i in range(len(calls))]  # rows its module's heads alone)
         if any((np.diff(each, axis=1) != 1).any() for each in laid):
             return []  # (a request's new tokens follow one another: a slice that does not was laid over another call,
             # the calls made in another order than the tokens, vLLM's CPU backend: prompts first, its decodes ahead)
-        return [(call, np.array([i]), laid[i]) for i, call in enumerate(calls)]
+        return [(call, np.full(call.shape[0], i), np.repeat(laid[i], call.shape[0], axis=0)) for i, call in enumerate(calls)]
     return []
 
 
