@@ -293,6 +293,8 @@ class Follow:
                 self.scores.tile_of(readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.regrouped.pending is not None:  # q or k regrouped (regrouped.py)
                 self.scores.regrouped.of(readers.softmax_input(args, kwargs), *softmaxed)
+            if self.scores is not None and self.scores.keyed:  # (its q and kᵀ, read at weights @ V: trace/handkv.py)
+                self.weights.keyed(self.scores.keyed.get(id(readers.softmax_input(args, kwargs))), softmaxed[0])
             if self.ranked is not None and self.ranked.pending is not None:  # a top-k taken over these scores (trace/ranked.py)
                 self.ranked.of(readers.softmax_input(args, kwargs), *softmaxed)
             self.weights.note(out, *softmaxed, readers.softmax_input(args, kwargs))  # (its weights followed: weights.py)

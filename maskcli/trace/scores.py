@@ -21,7 +21,9 @@ import maskcli.trace.headquery as headquery
 from maskcli.trace.copiedfold import copied_fold
 from maskcli.trace.followed import batched, operands_of
 from maskcli.trace.headadded import heads_apart
+from maskcli.trace.handkv import keyed
 from maskcli.trace.keyrows import key_rows, noted
+from maskcli.trace.scorejoin import keys_joined as _keys_joined, sink_joined as _sink_joined
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes, query_by_key as _query_by_key
 from maskcli.trace.posbias import addend as pos_addend, carried as carried_bias
 from maskcli.trace.regrouped import Pending, einsum_axes as regrouped_axes
@@ -62,6 +64,7 @@ class Scores:
         self.regrouped = Pending()  # the last q @ kᵀ whose q or k was viewed with heads before positions (regrouped.py)
         self.keyrows: dict[int, object] = {}  # id -> one decode query's key fingerprint per row and key (keyrows.py)
         self.heads: dict[int, int] = {}  # id -> scores of one query per head, made by an einsum (trace/headquery.py)
+        self.keyed: dict[int, tuple] = {}  # id -> weak references to the q and kᵀ of q @ kᵀ (trace/handkv.py)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -110,6 +113,8 @@ class Scores:
                         self.sliced[id(out)] = cut
                     if out.shape[-2] == 1 and len(operands) == 2 and func is not torch.einsum:  # (a decode step)
                         noted(self.keyrows, out, key_rows(operands[1], turned=True))
+                    if len(operands) == 2 and func is not torch.einsum:  # (q and kᵀ, read at weights @ V: handkv.py)
+                        keyed(self.keyed, out, operands)
                 else:  # (the equation states another axis order: Transformer-XL's "ibnd,jbnd->ijbn")
                     axes = einsum_axes(args[0], out.dim())
                     if axes is not None:
@@ -157,7 +162,7 @@ class Scores:
                     if rows is not None:  # (a row filled whole, shifted by its max: read as no key, shifted.py)
                         self.shifted = {} if len(self.shifted) >= KEEP else self.shifted
                         self.shifted[id(out)] = (weakref.ref(out), rows)
-                    for facts in (self.sliced, self.keyrows, self.heads) if axes is None else ():  # (kᵀ a cache's tail: sliced.py;
+                    for facts in (self.sliced, self.keyrows, self.heads, self.keyed) if axes is None else ():  # (kᵀ a cache's tail: sliced.py;
                         if facts and id(x) in facts:  # a decode query's keys per row: keyrows.py)
                             facts[id(out)] = facts[id(x)]
                     if func in ADDS and addend is None:
@@ -227,7 +232,8 @@ class Scores:
 
     def _note(self, tensor: torch.Tensor, axes: tuple | None = None, matrix: bool = False) -> None:
         found, laid, matrices = self._found, self.axes, self.matrices  # (one dict for the trace's life: the mode reads
-        per_id = (self.added, self.folds, self.weak, self.sliced, self.tiles, self.biased, self.keyrows, self.heads)  # (facts by a tensor's id)
+        per_id = (self.added, self.folds, self.weak, self.sliced, self.tiles, self.biased, self.keyrows, self.heads,
+                  self.keyed)  # (facts by a tensor's id)
         if len(found) >= KEEP:  # it as "following")
             found.clear()
             laid.clear()
@@ -366,32 +372,6 @@ def zero_one_seen(addend: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | No
             return False
         both = (keep & ones).any(dim=-1) & (keep & ~ones).any(dim=-1)
         return bool(both.any())
-
-
-def _keys_joined(scores: Scores, args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
-    """`out` joins scores along their keys (the last dim): the same queries' scores against two runs of keys, one
-    softmax over both (a prefix-prefill kernel's cached context, then its new tokens: vLLM's context_attention_fwd).
-    At most (B, H, Lq, Lk): block-local scores with a block axis more (Pegasus-X's, BigBird's: (B, H, blocks, X, G + Y),
-    global keys beside each block's own) join keys that differ from block to block, no one row of key positions."""
-    parts = args[0] if args else kwargs.get("tensors")
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if not isinstance(parts, (list, tuple)) or out.dim() > 4 or dim not in (-1, out.dim() - 1):
-        return False
-    return any(isinstance(x, torch.Tensor) and scores.has(x) and id(x) not in scores.axes and x.dim() == out.dim()
-               and x.shape[:-1] == out.shape[:-1] for x in parts)
-
-
-def _sink_joined(scores: Scores, args: tuple, kwargs: dict) -> int | None:
-    """The keys of scores joined along their keys to one last column that is no scores (q @ kᵀ made none of it): a
-    learned sink logit per head (openai/gpt-oss's torch reference: `torch.cat([QK, S], dim=-1)`, S the module's
-    `sinks` expanded), on no key position and never masked; None where the parts are not so."""
-    parts = args[0] if args else kwargs.get("tensors")
-    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or not all(isinstance(x, torch.Tensor) for x in parts):
-        return None
-    first, last = parts
-    if not scores.has(first) or scores.has(last) or last.shape[-1] != 1 or first.shape[-1] < 1:
-        return None
-    return int(first.shape[-1])
 
 
 def _one_query(scores, out: torch.Tensor) -> bool:

@@ -25,6 +25,7 @@ import torch
 from maskcli.trace.after import PRODUCTS
 from maskcli.trace.evaldrop import DROPOUTS, dropped
 from maskcli.trace.followed import follow, operands_of
+from maskcli.trace.handkv import values
 from maskcli.trace.scores import ADDS
 
 SHARE = 1e-3  # a masked key's weight counts from this share of its row's largest weight (an epsilon added does not)
@@ -43,6 +44,14 @@ class Weights:
 
     def __init__(self):
         self._found: dict[int, tuple] = {}
+        self._keyed: dict[int, tuple] = {}  # id(call) -> (call, its q @ kᵀ's operands' weak references: trace/handkv.py)
+
+    def keyed(self, refs: tuple | None, call) -> None:
+        """Keep `refs` (trace/handkv.keyed's) for the product of `call`'s weights with V."""
+        if refs is not None:
+            if len(self._keyed) >= 256:
+                self._keyed.clear()
+            self._keyed[id(call)] = (call, refs)
 
     def has(self, x) -> bool:
         return self.entry(x) is not None
@@ -76,6 +85,7 @@ class Weights:
             if func in DROPOUTS and args and (entry := self.entry(args[0])) is not None:
                 dropped(func, args, kwargs, entry[1])  # (weights dropped in eval mode: trace/evaldrop.py)
             if func in PRODUCTS:
+                self._values(func, args)
                 self._product(func, args)
             elif func in CATS and args and isinstance(args[0], (list, tuple)):
                 self._joined(args, kwargs, out)
@@ -144,6 +154,14 @@ class Weights:
 
     def _keep(self, out, call, seen, added: bool, rows=None) -> None:
         follow(self._found, id(out), out, call, seen, added, rows)
+
+    def _values(self, func, args: tuple) -> None:
+        """weights @ V of a softmax whose q and kᵀ were kept: zero keys read in K and V (trace/handkv.py)."""
+        operands = operands_of(func, args) if self._keyed and func is not torch.einsum else ()  # (V laid as matmul lays it)
+        entry = self.entry(operands[0]) if len(operands) == 2 else None
+        held = None if entry is None else self._keyed.pop(id(entry[1]), None)
+        if held is not None and held[0] is entry[1]:
+            values(entry[1], held[1], operands[1], entry[2].keep)
 
     def _product(self, func, args: tuple) -> None:
         operands = operands_of(func, args)
