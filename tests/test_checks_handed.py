@@ -340,3 +340,16 @@ def test_megatron_bridge_gemma2_sliding_window_built_only_with_a_mask(tmp_path):
     hit = check_bug(tmp_path, "megatron_bridge_gemma2_swa_gate_skipped_without_attention_mask", "window-dropped")[0]
     b, q, k = first((2, 20, 20), lambda b, q, k: k <= q and q - k > 8)
     assert tuple(hit["cell"]) == (b, q, k) and hit["expected"] == "window(9)", hit
+
+
+def test_jax_local_window_size_dropped_where_no_mask_is_given(tmp_path):
+    """jax-ml/jax#32300 (written blind, blind-yw): jax.nn.dot_product_attention's XLA path returned the scores early
+    where no mask, no is_causal and no lengths were given, never reading `local_window_size`: a local encoder's
+    softmax (by hand, masking nowhere) attended every frame. jax's (left, right) window, an int both ways, is read
+    from the frames (trace/windows.py); a site that masks nowhere is judged where it holds one. Written another way:
+    an SDPA helper that builds the window only beside a given mask. The fixes quiet."""
+    found = check_bug(tmp_path, "jax_dot_product_attention_local_window_dropped_without_mask", "window-dropped")
+    assert "local_window_size = (2, 2) (a query at p sees keys p - 2 .. p + 2), but query 0 of batch row 0 sees keys " \
+           "0 .. 9" in " ".join(found[0]["message"].split())
+    found = check_bug(tmp_path, "local_window_size_dropped_where_no_mask_is_given", "window-dropped", WINDOWS)
+    assert "local_window_size = (3, 3)" in " ".join(found[0]["message"].split())

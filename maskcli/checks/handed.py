@@ -62,8 +62,8 @@ def _spans(rows: np.ndarray, real) -> tuple:
 def held_window(run: Run) -> list:
     """A real query that sees keys further apart than the window held, or a mask narrower than it."""
     found, done, kept, branches, branch = [], {}, set(), set(), {}
-    for call in run.calls:
-        held = call.details.get("window_handed")
+    for call in [*run.calls, *(one for one in run.unmasked if one.details.get("window_handed"))]:  # (a site that
+        held = call.details.get("window_handed")  # masks nowhere is attention where it holds a window: jax#32300)
         if not held or len(held) != 4 or call.stored is None or call.details.get("slots") is not None \
                 or _gathered(call):
             continue

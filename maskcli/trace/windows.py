@@ -5,7 +5,8 @@ module, SGLang's RadixAttention) or by a variable of a program frame on the way 
 Transformer Engine: a query at p sees keys p - L .. p; a frame's `window_left` beside a `window_right` = R: p - L .. p + R), and SGLang's `sliding_window_size` = L on an object (the same
 L; both ways, |q - k| <= L, where that object's `attn_type` is ENCODER_ONLY). -1 and (-1, -1) state no window. A plain
 int `window_size` / `sliding_window` (W keys or W - 1: conventions differ) and an (h, w) pair (Swin's spatial window)
-state nothing here.
+state nothing here. jax's `local_window_size` (jax.nn.dot_product_attention, and ports of it) is (left, right), p - left
+.. p + right, an int w both ways (w, w).
 
 The outermost statement is kept: the running modules' attributes, outermost first (the layer's own word), else the
 frames' variables, outermost first. A frame nearer the kernel may hold the window converted to the kernel's own
@@ -22,7 +23,7 @@ from maskcli.trace.bounded import bounded
 from maskcli.trace.codes import ByCode
 
 FRAMES = 12  # program frames read outward from the kernel's caller
-LOCALS = ("window_left", "window_size", "sliding_window", "sliding_window_size")
+LOCALS = ("window_left", "window_size", "sliding_window", "sliding_window_size", "local_window_size")
 ATTRIBUTES = ("window_left", "window_size", "sliding_window", "sliding_window_size")
 NONE = "none"
 _NAMES = frozenset(LOCALS)
@@ -34,6 +35,9 @@ _INVOKED: list = [None, 0]
 
 def _said(name: str, value, holder=None) -> tuple | None:
     """(left, right) a value states in its name's convention, NONE for a stated absence, None where it says nothing."""
+    if name == "local_window_size":  # (jax.nn.dot_product_attention's: (left, right), p - left .. p + right; an int
+        pair = (value, value) if type(value) is int else tuple(value) if isinstance(value, (tuple, list)) else ()
+        return pair if len(pair) == 2 and all(type(x) is int and x >= 0 for x in pair) else None  # both ways)
     if name == "window_left" or name == "sliding_window_size" and holder is not None:
         if type(value) is not int:
             return None
