@@ -65,22 +65,42 @@ def test_a_wrapper_that_calls_the_text_model_without_the_rope_index(tmp_path):
 
 
 def test_image_runs_against_a_loop():
-    """flatgrid._image_runs: the first run of two or more image ids, row by row, against a loop over every position."""
+    """flatgrid._image_runs: every run of two or more image ids, row by row, against a loop over every position."""
     import numpy as np
 
     from maskcli.checks.flatgrid import _image_runs
 
     def loop(ids, image):
+        found = []
         for b in range(ids.shape[0]):
-            for j in range(ids.shape[1] - 1):
-                if ids[b, j] == image and ids[b, j + 1] == image:
-                    end = j + 1
-                    while end + 1 < ids.shape[1] and ids[b, end + 1] == image:
-                        end += 1
-                    return b, j, end
-        return None
+            j = 0
+            while j < ids.shape[1]:
+                end = j
+                while ids[b, j] == image and end + 1 < ids.shape[1] and ids[b, end + 1] == image:
+                    end += 1
+                if end > j:
+                    found.append((b, j, end))
+                j = end + 1
+        return found
 
     rng = np.random.default_rng(0)
     for _ in range(300):
         ids = rng.integers(0, 3, size=(int(rng.integers(1, 4)), int(rng.integers(1, 9))))
         assert _image_runs(ids, 2) == loop(ids, 2), ids
+
+
+def test_ms_swift_hunyuanvl_rope_rows_made_again_at_each_image(tmp_path):
+    """modelscope/ms-swift 48fb0a9 (in #7038 before its merge; written blind, blind-zd; moved to tests/data/bugs):
+    HunYuanVL's template made its four rope rows afresh for each image, so of a sample's two images the first was
+    numbered as text in every row, handed as (4, B, L) ids. The fix (the rows made once) quiet."""
+    [hit] = check_bug(tmp_path, "ms_swift_hunyuan_ocr_multi_image_xdrope_positions_reset_per_image", "flat-image-positions")
+    assert "handed multimodal rope ids (4, 1, 34)" in " ".join(hit["message"].split())
+    assert "image tokens 3-10 (id 120120) are at positions 3-10" in " ".join(hit["message"].split()), hit
+
+
+def test_a_qwen25vl_collator_that_makes_the_rope_rows_again_at_each_image(tmp_path):
+    """Written another way: a Qwen2.5-VL collator building the (3, B, L) ids itself, the rows started afresh at each
+    image, so a sample's first image of two is laid as text (tokens 3-8). --fixed builds the rows once (get_rope_index's
+    own ids on the real tokens): quiet, and so is the sample of one image either way."""
+    [hit] = check_bug(tmp_path, "qwen25vl_rope_rows_made_again_at_each_image", "flat-image-positions", FLATGRID)
+    assert tuple(hit["cell"]) == (0, 3, 3) and "multimodal rope ids (3, 2, 20)" in " ".join(hit["message"].split())

@@ -12,9 +12,11 @@ cannot express: wrong (verl#1947: the dataset built 3-D positions only for an im
 `Qwen2VLImageProcessor`, and 1-D ones from the padding for any other). Handed no position_ids, the model
 makes them itself: where its forward then holds (3, B, L) positions that lay the image's tokens one after another,
 alike in t, h and w (trace/mropeused.py: ms-swift#2051's collator left them None, and the model of that time copied
-its cache positions into every section), it is as wrong. Quiet where the
-call is handed the (3 or 4, B, L) ids, or none and the model lays the grid itself (transformers' get_rope_index), and
-on a call whose input holds no image token (a decode step's new token).
+its cache positions into every section), it is as wrong; and so where it is handed (3 or 4, B, L) ids that lay an
+image's tokens so (ms-swift 48fb0a9, in #7038 before its merge: HunYuanVL's four rope rows made again for each image,
+so every image but the last was numbered as text). Quiet where the call is handed ids that put every image on its
+grid, or none and the model lays the grid itself (transformers' get_rope_index), and on a call whose input holds no
+image token (a decode step's new token).
 """
 
 from __future__ import annotations
@@ -38,15 +40,15 @@ def multimodal_rope(config) -> bool:
     return False
 
 
-def _image_runs(ids: np.ndarray, image: int) -> tuple[int, int, int] | None:
-    """(batch row, first, last) of the first run of two or more image tokens along a row, else None."""
-    at = ids == image
-    starts = at[:, 1:] & at[:, :-1]
-    if not starts.any():
-        return None
-    b, j = (int(x) for x in np.argwhere(starts)[0])
-    rest = at[b, j:]  # (the run's end read at once: no loop per token)
-    return b, j, j + (rest.size if rest.all() else int(np.argmin(rest))) - 1
+def _image_runs(ids: np.ndarray, image: int) -> list[tuple[int, int, int]]:
+    """(batch row, first, last) of each run of two or more image tokens along the rows, in order."""
+    at = np.pad(ids == image, ((0, 0), (1, 1)))
+    edges = np.diff(at.astype(np.int8), axis=1)  # (+1 where a run begins, -1 past its end: no loop per token)
+    found = []
+    for b in range(ids.shape[0]):
+        begins, ends = np.flatnonzero(edges[b] == 1), np.flatnonzero(edges[b] == -1) - 1
+        found += [(b, int(first), int(last)) for first, last in zip(begins, ends) if last > first]
+    return found
 
 
 def _used(top) -> tuple[np.ndarray, str] | None:
@@ -77,32 +79,37 @@ def flat_grid(run: Run) -> list:
         if not grids or not isinstance(ids, np.ndarray) or ids.ndim != 2 or top.config is None \
                 or not multimodal_rope(top.config):
             continue
-        used = None
-        if "position_ids" not in arguments and "mrope_position_ids" not in arguments:
+        used, handed = None, arguments.get("mrope_position_ids")
+        if isinstance(handed, np.ndarray) and handed.ndim == 3 and handed.shape[0] >= 3 and handed.shape[2] == ids.shape[1]:
+            used = (handed, "")  # (its (C, B, L) ids handed: an image laid as text among them is as wrong, ms-swift 48fb0a9)
+        elif "position_ids" not in arguments and "mrope_position_ids" not in arguments:
             used = _used(top)  # (handed none: what its forward made of them)
             if used is None or used[0].shape[2] != ids.shape[1]:
                 continue
         elif not isinstance(positions, np.ndarray) or positions.ndim != 2 or positions.shape[1] != ids.shape[1]:
             continue
         tokens = [t for n in MEDIA if isinstance(t := read(top.config, n), int)]  # (the config's image and video ids)
-        runs = next(((t, r) for t in tokens if (r := _image_runs(ids, t)) is not None), None)
-        if runs is None or not any(g.ndim == 2 and g.shape[1] == 3 and (g.prod(axis=1) > 1).any() for g in grids):
+        runs = [(t, r) for t in tokens for r in _image_runs(ids, t)]
+        if not runs or not any(g.ndim == 2 and g.shape[1] == 3 and (g.prod(axis=1) > 1).any() for g in grids):
             continue
-        token, (b, first, last) = runs
-        if used is not None and not _flat(used[0], b, first, last):
+        runs = runs[:1] if used is None else [(t, r) for t, r in runs if _flat(used[0], *r)][:1]
+        if not runs:
             continue
+        token, (b, first, last) = runs[0]
         rows = (positions[b] if positions.shape[0] > b else positions[0]) if used is None \
             else used[0][0, b if used[0].shape[1] > b else 0]
         said = (f"was handed position_ids of one row per sample {tuple(positions.shape)}" if used is None else
+                f"was handed multimodal rope ids {tuple(used[0].shape)}" if not used[1] else
                 f"was handed no position_ids, and its {used[1]} rotated with {tuple(used[0].shape)} ones it made")
         found.append((call, Finding("flat-image-positions", (
             f"{top.where} {said} beside an image grid, with rope parameters that state multimodal rope "
             f"(mrope_section): batch row {b}'s image tokens {first}-{last} (id {token}) are at positions "
             f"{int(rows[first])}-{int(rows[last])} in t, h and w alike, one after another as text, not on their "
             f"(t, h, w) grid (hand the model its get_rope_index ids, (3, B, L)"
-            f"{', or no position_ids' if used is None else ', or have its forward make them where it is handed none'})"),
+            f"{', or no position_ids' if used is None else ', each image on its grid' if not used[1] else ', or have its forward make them where it is handed none'})"),
             expected="(t, h, w) grid positions from get_rope_index",
-            source=f"position_ids of {top.where}" if used is None else used[1], cell=(b, first, first))))
+            source=f"position_ids of {top.where}" if used is None else used[1] or f"mrope_position_ids of {top.where}",
+            cell=(b, first, first))))
     return found
 
 
