@@ -80,8 +80,9 @@ def flat_grid(run: Run) -> list:
                 or not multimodal_rope(top.config):
             continue
         used, handed = None, arguments.get("mrope_position_ids")
-        if isinstance(handed, np.ndarray) and handed.ndim == 3 and handed.shape[0] >= 3 and handed.shape[2] == ids.shape[1]:
-            used = (handed, "")  # (its (C, B, L) ids handed: an image laid as text among them is as wrong, ms-swift 48fb0a9)
+        if isinstance(handed, np.ndarray) and handed.ndim == 3 and handed.shape[0] >= 3 \
+                and handed.shape[2] == ids.shape[1]:  # (its (C, B, L) ids handed: an image laid as text among them is
+            used = (handed, "")  # as wrong, ms-swift 48fb0a9)
         elif "position_ids" not in arguments and "mrope_position_ids" not in arguments:
             used = _used(top)  # (handed none: what its forward made of them)
             if used is None or used[0].shape[2] != ids.shape[1]:
@@ -106,7 +107,8 @@ def flat_grid(run: Run) -> list:
             f"(mrope_section): batch row {b}'s image tokens {first}-{last} (id {token}) are at positions "
             f"{int(rows[first])}-{int(rows[last])} in t, h and w alike, one after another as text, not on their "
             f"(t, h, w) grid (hand the model its get_rope_index ids, (3, B, L)"
-            f"{', or no position_ids' if used is None else ', each image on its grid' if not used[1] else ', or have its forward make them where it is handed none'})"),
+            f"{', or no position_ids' if used is None else ', each image on its grid' if not used[1] else ''}"
+            f"{', or have its forward make them where it is handed none' if used is not None and used[1] else ''})"),
             expected="(t, h, w) grid positions from get_rope_index",
             source=f"position_ids of {top.where}" if used is None else used[1] or f"mrope_position_ids of {top.where}",
             cell=(b, first, first))))

@@ -3,13 +3,13 @@
 trace/zerokv.py reads an SDPA call's K and V for keys exactly zero at an edge of the keys (a buffer row nobody wrote).
 A program that writes attention by hand never hands one function its K and V: q @ kᵀ makes the scores (its q and kᵀ
 kept here beside them, each as a weak reference to the tensor it views with its strides, carried with the scores by
-trace/scores.py), the softmax the weights, and
-weights @ V the output. At that product (trace/weights.py) the softmax's call reads zerokv.zero_kv of q, K and V, each
-viewed (B, heads, L, D) with any group axes folded into the heads (no copy: a layout that cannot be viewed so is not
-read), and records details["zero_kv"] as an SDPA call does (its runs of keys zero in every head; not those of one head alone:
-the second axis of scores by hand may be windows or buckets, not heads), where it holds none yet (skyzh/tiny-llm's continuous
-batching before ae06a7f: a zero-filled ring row per request, read whole at each decode step with mask=None).
-Nothing is kept alive; where no edge key is zero, zerokv's first test (a few cells read) is all it costs.
+trace/scores.py), the softmax the weights, and weights @ V the output. At that product (trace/weights.py) the
+softmax's call reads zerokv.zero_kv of q, K and V, each viewed (B, heads, L, D) with any group axes folded into the
+heads (no copy: a layout that cannot be viewed so is not read), and records details["zero_kv"] as an SDPA call does
+(its runs of keys zero in every head; not those of one head alone: the second axis of scores by hand may be windows
+or buckets, not heads), where it holds none yet (skyzh/tiny-llm's continuous batching before ae06a7f: a zero-filled
+ring row per request, read whole at each decode step with mask=None). Nothing is kept alive; where no edge key is
+zero, zerokv's first test (a few cells read) is all it costs.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from maskcli.trace.zerokv import zero_kv
 
 
 def keyed(found: dict, out: torch.Tensor, operands) -> None:
-    """Keep q and kᵀ of scores `out` = q @ kᵀ (Scores.keyed, by id; cleared with the scores): each as a weak reference
-    to the tensor it views (kᵀ is most often a temporary `k.transpose(-2, -1)`, gone before weights @ V; the K it
-    views lives on) with its sizes, strides and offset, to be viewed again (_again)."""
+    """Keep q and kᵀ of scores `out` = q @ kᵀ (Scores.keyed, by id; cleared with the scores): each as a weak
+    reference to the tensor it views (kᵀ is most often a temporary `k.transpose(-2, -1)`, gone before weights @ V;
+    the K it views lives on) with its sizes, strides and offset, to be viewed again (_again)."""
     try:
         found[id(out)] = tuple(_kept(t) for t in operands)
     except (TypeError, RuntimeError):  # (a tensor subclass without weak references, no strides: not kept)
