@@ -93,7 +93,10 @@ def flat_grid(run: Run) -> list:
         runs = [(t, r) for t in tokens for r in _image_runs(ids, t)]
         if not runs or not any(g.ndim == 2 and g.shape[1] == 3 and (g.prod(axis=1) > 1).any() for g in grids):
             continue
-        runs = runs[:1] if used is None else [(t, r) for t, r in runs if _flat(used[0], *r)][:1]
+        handed_ids = used is not None and not used[1]  # (each image of the ids handed is read; of ids the model made
+        # itself, the first image alone: its numbering follows the call's attention_mask, which other rules judge)
+        runs = [(t, r) for t, r in runs if _flat(used[0], *r)][:1] if handed_ids else \
+            [(t, r) for t, r in runs[:1] if used is None or _flat(used[0], *r)]
         if not runs:
             continue
         token, (b, first, last) = runs[0]
