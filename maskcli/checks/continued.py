@@ -17,6 +17,8 @@ image, GLM-4V's eager attention over cu_seqlens: no one call holds the rows, so 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from maskcli.checks.context import Run, keep
@@ -76,12 +78,9 @@ def continued(run: Run) -> list:
     """The queries of a continuing call that see fewer keys than the one pass shows their rows (_split)."""
     found = []
     for whole, first, second, n in _split(run):
-        ones, pieces = {}, set()
-        for call in _made_by(run, whole):
-            if ones.setdefault(call.where, call) is not call:
-                pieces.add(call.where)  # (a site the one pass calls in pieces, one per image: no call holds its rows)
-        for where in pieces:
-            del ones[where]
+        made = _made_by(run, whole)
+        times = Counter(call.where for call in made)  # (a site the one pass calls in pieces, one per image: no call
+        ones = {call.where: call for call in made if times[call.where] == 1}  # holds its rows)
         for call in _made_by(run, second):
             one = ones.get(call.where)
             if one is None or one.shape[0] != call.shape[0] or min(one.shape[2], call.shape[2]) < n:

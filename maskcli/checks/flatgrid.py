@@ -79,42 +79,45 @@ def flat_grid(run: Run) -> list:
         if not grids or not isinstance(ids, np.ndarray) or ids.ndim != 2 or top.config is None \
                 or not multimodal_rope(top.config):
             continue
-        used, handed = None, arguments.get("mrope_position_ids")
+        handed, made = arguments.get("mrope_position_ids"), None
         if isinstance(handed, np.ndarray) and handed.ndim == 3 and handed.shape[0] >= 3 \
                 and handed.shape[2] == ids.shape[1]:  # (its (C, B, L) ids handed: an image laid as text among them is
-            used = (handed, "")  # as wrong, ms-swift 48fb0a9)
+            how, sections = "handed", handed  # as wrong, ms-swift 48fb0a9)
         elif "position_ids" not in arguments and "mrope_position_ids" not in arguments:
             used = _used(top)  # (handed none: what its forward made of them)
             if used is None or used[0].shape[2] != ids.shape[1]:
                 continue
-        elif not isinstance(positions, np.ndarray) or positions.ndim != 2 or positions.shape[1] != ids.shape[1]:
+            how, (sections, made) = "made", used
+        elif isinstance(positions, np.ndarray) and positions.ndim == 2 and positions.shape[1] == ids.shape[1]:
+            how, sections = "flat", None
+        else:
             continue
         tokens = [t for n in MEDIA if isinstance(t := read(top.config, n), int)]  # (the config's image and video ids)
         runs = [(t, r) for t in tokens for r in _image_runs(ids, t)]
         if not runs or not any(g.ndim == 2 and g.shape[1] == 3 and (g.prod(axis=1) > 1).any() for g in grids):
             continue
-        handed_ids = used is not None and not used[1]  # (each image of the ids handed is read; of ids the model made
-        # itself, the first image alone: its numbering follows the call's attention_mask, which other rules judge)
-        runs = [(t, r) for t, r in runs if _flat(used[0], *r)][:1] if handed_ids else \
-            [(t, r) for t, r in runs[:1] if used is None or _flat(used[0], *r)]
+        # (each image of the ids handed is read; of (B, L) ids or ids the model made itself, the first image alone:
+        # the model's numbering follows the call's attention_mask, which other rules judge)
+        runs = [(t, r) for t, r in (runs if how == "handed" else runs[:1]) if how == "flat" or _flat(sections, *r)]
         if not runs:
             continue
         token, (b, first, last) = runs[0]
-        rows = (positions[b] if positions.shape[0] > b else positions[0]) if used is None \
-            else used[0][0, b if used[0].shape[1] > b else 0]
-        said = (f"was handed position_ids of one row per sample {tuple(positions.shape)}" if used is None else
-                f"was handed multimodal rope ids {tuple(used[0].shape)}" if not used[1] else
-                f"was handed no position_ids, and its {used[1]} rotated with {tuple(used[0].shape)} ones it made")
+        rows = (positions[b] if positions.shape[0] > b else positions[0]) if how == "flat" \
+            else sections[0, b if sections.shape[1] > b else 0]
+        shape = tuple((positions if how == "flat" else sections).shape)
+        said = {"flat": f"was handed position_ids of one row per sample {shape}",
+                "handed": f"was handed multimodal rope ids {shape}",
+                "made": f"was handed no position_ids, and its {made} rotated with {shape} ones it made"}
+        fix = {"flat": ", or no position_ids", "handed": ", each image on its grid",
+               "made": ", or have its forward make them where it is handed none"}
         found.append((call, Finding("flat-image-positions", (
-            f"{top.where} {said} beside an image grid, with rope parameters that state multimodal rope "
+            f"{top.where} {said[how]} beside an image grid, with rope parameters that state multimodal rope "
             f"(mrope_section): batch row {b}'s image tokens {first}-{last} (id {token}) are at positions "
             f"{int(rows[first])}-{int(rows[last])} in t, h and w alike, one after another as text, not on their "
-            f"(t, h, w) grid (hand the model its get_rope_index ids, (3, B, L)"
-            f"{', or no position_ids' if used is None else ', each image on its grid' if not used[1] else ''}"
-            f"{', or have its forward make them where it is handed none' if used is not None and used[1] else ''})"),
+            f"(t, h, w) grid (hand the model its get_rope_index ids, (3, B, L){fix[how]})"),
             expected="(t, h, w) grid positions from get_rope_index",
-            source=f"position_ids of {top.where}" if used is None else used[1] or f"mrope_position_ids of {top.where}",
-            cell=(b, first, first))))
+            source={"flat": f"position_ids of {top.where}", "handed": f"mrope_position_ids of {top.where}",
+                    "made": made}[how], cell=(b, first, first))))
     return found
 
 

@@ -134,4 +134,3 @@ def _copied_other(run, call, held: dict) -> bool:
     held_rows = copied[0].top.arguments.get("output_rows")
     sources = {len(hashes) for hashes in held_rows.values()} if isinstance(held_rows, dict) else set()
     return sources != {count} or [one.row for one in copied] != list(range(count))
-

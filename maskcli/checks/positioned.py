@@ -99,16 +99,21 @@ def _placed(calls: list, positions: np.ndarray) -> list:
                 return []
             found.append((call, np.arange(batch), laid))
         return found
-    if rows == 1 and len(calls) > 1 and sum(lens) == length and all(call.shape[0] == 1 or call.shape[1] == 1 and
-                                                                    call.details.get("own_heads") == call.shape[0]
-                                                                    for call in calls):
-        starts = np.cumsum([0] + lens)  # one call per request, their tokens one after the other (a ragged batch; its
-        laid = [positions[:, starts[i]:starts[i + 1]] for i in range(len(calls))]  # rows its module's heads alone)
+    if rows == 1 and len(calls) > 1 and sum(lens) == length and all(map(_one_request, calls)):
+        starts = np.cumsum([0] + lens)  # one call per request, their tokens one after the other (a ragged batch)
+        laid = [positions[:, starts[i]:starts[i + 1]] for i in range(len(calls))]
         if any((np.diff(each, axis=1) != 1).any() for each in laid):
             return []  # (a request's new tokens follow one another: a slice that does not was laid over another call,
             # the calls made in another order than the tokens, vLLM's CPU backend: prompts first, its decodes ahead)
-        return [(call, np.full(call.shape[0], i), np.repeat(laid[i], call.shape[0], axis=0)) for i, call in enumerate(calls)]
+        return [(call, np.full(call.shape[0], i), np.repeat(laid[i], call.shape[0], axis=0))
+                for i, call in enumerate(calls)]
     return []
+
+
+def _one_request(call) -> bool:
+    """The call's rows are one request's: batch 1, or rows that are its module's heads alone (a (heads, Lq, Lk)
+    softmax per request, nano-vllm's attention written out)."""
+    return call.shape[0] == 1 or call.shape[1] == 1 and call.details.get("own_heads") == call.shape[0]
 
 
 def _folded(call, positions: np.ndarray) -> np.ndarray | None:

@@ -64,10 +64,11 @@ def values(call, refs: tuple, v, keep=None) -> None:
     call holds none and the operands are still alive and fit its shape. `keep`: the call's bool (B, H, Lq, Lk) cells
     kept, as an SDPA call's mask: the runs are read from the edges of the keys some query keeps (masked padding is
     not read)."""
+    if "zero_kv" in call.details or not isinstance(v, torch.Tensor):
+        return
     q, kt = _again(refs[0]), _again(refs[1])
     rows, _, q_len, k_len = call.shape
-    if q is None or kt is None or not isinstance(v, torch.Tensor) or "zero_kv" in call.details \
-            or kt.shape[-1] != k_len or v.shape[-2] != k_len or q.shape[-2] != q_len:
+    if q is None or kt is None or kt.shape[-1] != k_len or v.shape[-2] != k_len or q.shape[-2] != q_len:
         return
     q, k, v = (_as_heads(t, rows) for t in (q, kt.transpose(-1, -2), v))
     if q is None or k is None or v is None or q.shape[0] != rows or k.shape[-1] != q.shape[-1]:

@@ -111,10 +111,10 @@ class Scores:
                     if cut is not None and tail(operands[0]) != cut:  # (q @ kᵀ over keys sliced off a cache's tail:
                         # trace/sliced.py; q sliced alike is a packed batch's last request, its own keys)
                         self.sliced[id(out)] = cut
-                    if out.shape[-2] == 1 and len(operands) == 2 and func is not torch.einsum:  # (a decode step)
-                        noted(self.keyrows, out, key_rows(operands[1], turned=True))
                     if len(operands) == 2 and func is not torch.einsum:  # (q and kᵀ, read at weights @ V: handkv.py)
                         keyed(self.keyed, out, operands)
+                        if out.shape[-2] == 1:  # (a decode step)
+                            noted(self.keyrows, out, key_rows(operands[1], turned=True))
                 else:  # (the equation states another axis order: Transformer-XL's "ibnd,jbnd->ijbn")
                     axes = einsum_axes(args[0], out.dim())
                     if axes is not None:
