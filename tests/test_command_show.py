@@ -335,12 +335,11 @@ def test_one_lengths_or_ids_row_serves_every_label_row_and_is_named_in_each_titl
 
 
 def test_a_billion_identical_heads_are_one_panel_at_once():
-    import time
+    from bounded import MIB, builds_under
 
-    start = time.perf_counter()
-    result = ok(["show", "causal", "--len", "4", "--heads", str(10**9)])
+    with builds_under(64 * MIB):  # no list of a billion heads
+        result = ok(["show", "causal", "--len", "4", "--heads", str(10**9)])
     assert "heads 0-999999999 (identical)" in result.stdout and result.stdout.rstrip().endswith(" 3       1  1  1  1")
-    assert time.perf_counter() - start < 10  # no list of a billion heads
 
 
 def test_tokens_are_shown_as_written_never_as_markup_or_maths(tmp_path):
@@ -979,13 +978,13 @@ def test_a_regions_json_and_summary_are_the_slice_of_the_whole(tmp_path):
 
 
 def test_a_region_of_a_million_tokens_costs_its_own_cells():
-    import time
+    from bounded import MIB, builds_under
 
-    start = time.perf_counter()
-    out = ok(["show", "document(sizes=[300000,748576]) & window(4096)", "--rows", "299998:300002", "--keys", "299996:300002"]).stdout
+    with builds_under(512 * MIB):  # the region's 24 cells, and a few arrays of a million positions, not 10^12 cells
+        out = ok(["show", "document(sizes=[300000,748576]) & window(4096)", "--rows", "299998:300002", "--keys",
+                  "299996:300002"]).stdout
     assert " 299999  0      1       1       1       1     │    0       0" in out
     assert " 300000  1      0       0       0       0     │    1       0" in out
-    assert time.perf_counter() - start < 10
 
 
 @pytest.mark.parametrize("args, says", [
