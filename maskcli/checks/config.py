@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 import maskcli.checks.bidirname as bidirname
+import maskcli.checks.bothways as bothways
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
 from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent, transformers_config
 from maskcli.checks.real import behind_cache, slack_dropped, trimmed
@@ -206,21 +207,12 @@ def window(run: Run) -> list:
             continue
         size, name = stated.window()
         where, source = _layer(index, call), stated.said(name)
-        if stated.bidirectional():
-            if any(placed.holds(f"band({w})") for w in (size, size + 1, size // 2 + 1)):  # |q-k| < W, <= W, <= W/2
-                windowed.add((stated.said(name), index))
-            elif any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
-                windowed.add((stated.said(name), index))
-                sure = stated.sure_both_ways()
-                found.append((call, Finding("window-one-sided", (
-                    f"{where} sees a causal window of about {size} keys, but its config states the attention both ways "
-                    f"({stated.said(stated.bidirectional())}): the window should reach {size} keys on either side "
-                    f"({source})" + ("" if sure else f", unless {stated.bidirectional()} is said of another part")),
-                    severity=None if sure else "suspicious", expected=f"band({size})", source=source)))
-            elif placed.holds("full") and not placed.holds(f"band({size})"):
-                missing.append((call, index, kind, Finding("window-missing", (
-                    f"{where} is a sliding layer ({kind[1]}) but its mask has no window: queries see keys {size} or "
-                    f"more positions away ({source})"), expected=f"band({size})", source=source)))
+        judged = bothways.judged(stated, placed, size, where, source, kind)  # (a band, each side W)
+        if judged is not None:
+            both, lost, seen = judged
+            found += [(call, finding) for finding in both]
+            missing += [(call, index, kind, lost)] if lost is not None else []
+            windowed.update([(source, index)] if seen else [])
             continue
         if placed.holds(f"window({size})") or name == "sliding_window_size" and placed.holds(f"window({size - 1})") \
                 or call.details.get("module_not_causal") and placed.holds(f"window({size + 1})"):

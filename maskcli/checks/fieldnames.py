@@ -48,7 +48,7 @@ def observation_window(attributes: dict, window: int) -> bool:
                if isinstance(name, str))
 
 
-def other_names(items: dict, found: dict) -> None:
+def other_names(items: dict, found: dict, model: str | None = None) -> None:
     """Add to `found` (the fields read under checks/intent.py's names) what `items` states under the other names
     above, where the names it reads state nothing of it; `window_said` names the field the window came from. A
     compressor's observation window is taken out of it."""
@@ -61,6 +61,10 @@ def other_names(items: dict, found: dict) -> None:
     if named and not any(n in found for n in PATTERNS) and any(found.get(n) for n in ("sliding_window", "sliding_window_size")):
         found["sliding_window_pattern"] = 2
         found["pattern_said"] = f"{named} (Gemma 2: sliding and full layers in turn, the first sliding)"
+    whole = items.get("local_attention")  # (ModernBERT's whole local window, beside sliding_window its half: bothways.py;
+    # of transformers' configs, only the encoder's, ModernBertConfig: modernbert-decoder's window is causal)
+    if type(whole) is int and found.get("sliding_window") == whole // 2 and model in (None, False, "modernbert"):
+        found["local_attention"] = whole
     swa = items.get("n_swa")
     if "sliding_window" not in found and type(swa) is int and swa > 0 and _standard(items.get("swa_type")):
         found["sliding_window"], found["window_said"] = swa, "n_swa"

@@ -109,7 +109,8 @@ def fields_of(value) -> dict:
                       and type(items[name]) is int), None)
         if named is not None:
             found["sliding_window_size"], found["window_field"] = items[named], named
-    other_names(items, found)  # (Transformer-XL's mem_len, llama.cpp's n_swa and swa_layers: fieldnames.py)
+    other_names(items, found, transformers_config(value) and read(value, "model_type", None))  # (Transformer-XL's
+    # mem_len, llama.cpp's n_swa and swa_layers, ModernBERT's local_attention: fieldnames.py)
     text = items.get("text_config")
     unset = _bidirectional_unset(value, items, text)
     if unset is not None:
