@@ -80,6 +80,9 @@ BUGS = [
     # massquantity/LibRecommender#359 (written blind, batch blind-ky; caught before any rule was changed for it): its
     # multi_head_attention never handed the Keras MHA the padding and causal mask it built, so items saw pads and later ones
     ("librecommender_transformer_decoder_layer_keras_mha_attention_mask_dropped", "mask-argument-dropped"),
+    # ctheodoris/Geneformer 9169bfd (#146; written blind, batch blind-zh, caught before any rule changed for it):
+    # EmbExtractor.get_embs pads each batch of cells and calls BertForMaskedLM with input_ids alone
+    ("geneformer_emb_extractor_get_embs_no_attention_mask", "padding-ignored"),
 ]
 
 

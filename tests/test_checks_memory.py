@@ -701,3 +701,12 @@ def test_alphafold2_seq2seq_padding_mask_off_by_default(tmp_path):
         status, found, report = traced(tmp_path, name, fixed)
         hits = [f for f in found if f["code"] == "encoder-padding-ignored"]
         assert status == 1 and hits and "memory_key_padding_mask given to Seq2SeqTransformer" in hits[0]["message"], report
+
+
+def test_a_causal_lm_flagged_encoder_decoder_keeps_its_decoders_attention_mask(tmp_path):
+    """Correct (written blind, quiet-r163a; encoder-padding-ignored before): Nougat sets is_encoder_decoder=True on its
+    MBartForCausalLM to get cross-attention and hands it attention_mask = input_ids.ne(pad) each step. A *ForCausalLM's
+    attention_mask is its decoder's (the encoder's is encoder_attention_mask), and the image memory has no padding."""
+    status, found, report = traced(tmp_path, "quiet_nougat_mbart_decoder_batched_greedy_kv_cache_pad_after_eos", False,
+                                   Path(__file__).parent / "data" / "quiet_blind")
+    assert status == 0 and not [f for f in found if f["code"] == "encoder-padding-ignored"], report

@@ -33,7 +33,7 @@ def memory_padding(top, rows: int, length: int) -> tuple[np.ndarray, str] | None
     for `length` keys (or two that disagree)."""
     arguments, found = top.arguments, []
     names = [("encoder_attention_mask", True), ("memory_key_padding_mask", False)]
-    if getattr(top.config, "is_encoder_decoder", False):
+    if _seq2seq(top):
         names.append(("attention_mask", True))
     for name, ones_real in names:
         given = arguments.get(name)
@@ -46,7 +46,7 @@ def memory_padding(top, rows: int, length: int) -> tuple[np.ndarray, str] | None
         said = side_tokens(top, "src", (rows, length))
         if said is not None and said[0].shape == (rows, length) and said[0].any(axis=1).all():
             return said[0], said[1]
-    if not found and getattr(top.config, "is_encoder_decoder", False):
+    if not found and _seq2seq(top):
         # (handed no mask at all: its input ids, the encoder's, at the pad id its config states, in a run at one end
         # of each row: a padded batch fed without its attention_mask, transformers-bart-pretrain#11)
         said = stated(top, rows, length)
@@ -57,12 +57,19 @@ def memory_padding(top, rows: int, length: int) -> tuple[np.ndarray, str] | None
     return found[0][0], f"{found[0][1]} of {top.where}"
 
 
+def _seq2seq(top) -> bool:
+    """The model call's attention_mask and input ids are its encoder's: its config says is_encoder_decoder and it is
+    no *ForCausalLM, whose attention_mask is the decoder's by its class, the encoder's handed as encoder_attention_mask
+    (Nougat sets is_encoder_decoder=True on its MBartForCausalLM to get cross-attention)."""
+    return bool(getattr(top.config, "is_encoder_decoder", False)) and "causal_lm" not in top.arguments
+
+
 def _decoder_queries(top, rows: int, q_len: int) -> np.ndarray | None:
     """Bool (rows, q_len) real decoder queries where the model call states the decoder's padding for exactly those
     queries (decoder_attention_mask, tgt_key_padding_mask, or a decoder-only model's attention_mask); else None."""
     arguments = top.arguments
     names = [("decoder_attention_mask", True), ("tgt_key_padding_mask", False)]
-    if not getattr(top.config, "is_encoder_decoder", False):
+    if not _seq2seq(top):
         names.append(("attention_mask", True))
     for name, ones_real in names:
         given = arguments.get(name)
