@@ -160,3 +160,11 @@ def test_espnet_conformer_conv_module_not_handed_the_mask(tmp_path):
     last, half = 27 - 1, 15 // 2
     assert tuple(hit["cell"]) == (1, last, last + 1)
     assert f"real frame {last} is convolved with padded frames {last + 1}..{last + half}" in hit["message"]
+
+
+def test_seamless_m4t_checkpointed_conformer_layers_drop_the_conv_mask(tmp_path):
+    """huggingface/transformers#31945 (written blind, batch blind-zj; caught before any rule changed for it): with
+    gradient checkpointing, SeamlessM4T's conformer encoder called each layer without conv_attention_mask, so the
+    depthwise convolution (kernel 7) read the padded frames into the shorter utterance's last real frames (20, 13)."""
+    hit = check_bug(tmp_path, "seamless_m4t_conformer_checkpointed_layers_drop_conv_attention_mask", "padding-convolved")[0]
+    assert hit["cell"][0] == 1 and hit["cell"][1] == 12, hit
