@@ -59,7 +59,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "madeframes", "beamcache", "rewritten", "restarted", "locallayers", "overqueries", "padgroup", "condwithheld",
            "refed", "mediapad", "cachedpositions", "heldsinks", "prefixpool", "nowindow", "slicedmask", "alibisign", "loopcausal", "ownhidden",
            "shortmask", "evaldrop", "flipped", "positionrow", "broadpositions",
-           "rotatedkeys")
+           "rotatedkeys", "biasdropped")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ hint torch's own modules and Keras's ports may pass beside a causal mask of thei
 
 from __future__ import annotations
 
+import maskcli.trace.biasnone as biasnone
 import maskcli.trace.cachebranch as cachebranch
 import maskcli.trace.causalnone as causalnone
 from maskcli.trace.forwardflag import forward_frame
@@ -27,6 +28,7 @@ def note(details: dict, stack: list, walked) -> None:
         return
     causalnone.note(details, stack, walked)
     cachebranch.note(details, stack, walked)  # (a causal triangle in the forward's branch for no cache)
+    biasnone.note(details, stack, walked)  # (a position bias parameter that holds None: checks/biasdropped.py)
     module = stack[-1]
     if type(module).__module__.startswith("torch."):
         return  # (torch's own modules take tensors and bool hints)
