@@ -177,6 +177,34 @@ def test_the_cells_a_kernel_sees_of_a_handed_mask_are_counted_against_a_double_l
     assert dropped(("attn_mask of f()", given), lambda: kept, (b, h, n, n), {}, "k2") is None
 
 
+def test_a_key_padding_mask_as_long_as_the_queries_is_read_per_batch_row_too():
+    """candle's e5 BertModel (written blind, blind-zo; mask-argument-dropped on the fix before): the layers are handed
+    the (B, L) additive mask, 1.0 real and -inf pad, with B == L == 8, and add it as (B, 1, 1, L). Read only as (Lq, Lk),
+    row b of the batch was taken for query b. The kernel keeps to its per-row reading: nothing dropped; a kernel that
+    drops it is still found."""
+    import numpy as np
+    import torch
+
+    from maskcli.trace.given import dropped
+
+    n, h = 4, 2
+    lengths = [4, 3, 2, 4]
+    given = torch.tensor([[1.0 if k < lengths[b] else float("-inf") for k in range(n)] for b in range(n)])
+    kept = np.array([[[[k < lengths[b] for k in range(n)]] * n] for b in range(n)])  # (B, 1, Lq, Lk)
+    assert dropped(("attention_mask of forward()", given), lambda: kept, (n, h, n, n), {}, "k") is None
+    everything = np.ones((1, 1, n, n), bool)
+    lost = dropped(("attention_mask of forward()", given), lambda: everything, (n, h, n, n), {}, "k2")
+    assert lost is not None  # (said by the reading that loses the fewest cells: here the one of queries by keys)
+    b, q, k = (lost["cell"][i] for i in (0, 2, 3))
+    assert k >= lengths[q]
+
+
+def test_candle_e5_bert_example_runs_the_padded_batch_without_a_mask(tmp_path):
+    # huggingface/candle#1085 (written blind, batch blind-zo; caught before any rule changed for it, but its fix drew
+    # mask-argument-dropped: the (8, 8) key padding mask read as queries by keys)
+    check_bug(tmp_path, "candle_pyo3_e5_bert_padded_batch_no_attention_mask", "padding-ignored")
+
+
 @pytest.mark.parametrize("name", ["encoder_decoder_causal_config", "vlm_causal_config_vision_tower"])
 def test_a_module_that_says_it_is_not_causal_speaks_for_itself(tmp_path, name):
     """One config says causal=True (a dataclass, a dict), but the encoder's (the vision tower's) attention module holds

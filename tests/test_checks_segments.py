@@ -41,7 +41,7 @@ def run_of(pieces: list[int], mask: np.ndarray) -> Run:
     held = {"name": "attention_mask", "where": "forward()", "kind": "keep", "rows": mask.astype(bool)}
     calls = [SimpleNamespace(index=i, where="attn", api="sdpa", step=i, shape=(1, 2, n, n),
                              details={"held_padding": [held]}) for i, n in enumerate(pieces)]
-    return Run(calls, [Top("Model", first=0, end=len(pieces))])
+    return Run(calls, [Top("Model", first=0, end=len(pieces), shapes=(("attention_mask", tuple(mask.shape)),))])
 
 
 def test_quiet_on_whole_rows_the_wrong_count_and_no_padding():
@@ -54,6 +54,17 @@ def test_quiet_on_whole_rows_the_wrong_count_and_no_padding():
     assert cut_segments(run_of([2, 2], np.ones((2, 4)))) == []
     found = cut_segments(run_of([3, 3], mask))
     assert [f.code for _, f in found] == ["segments-cut"] * 2 and found[0][1].cell == (0, 3, 3)
+
+
+def test_a_reference_run_of_one_sequence_whose_model_call_holds_no_batch_row_is_quiet():
+    """gpt-neox's stream_tokens (written blind, quiet-r165b; segments-cut before): its reference runs one prompt alone
+    through a loop over the layers, 3 calls of one length, while main() holds the batch's lengths [5, 9, 7]. The model
+    call that made them was handed no tensor of the batch's 3 rows: they are one sequence's layers, not its rows."""
+    mask = np.array([[1] * 5 + [0] * 4, [1] * 9, [1] * 7 + [0] * 2])
+    run = run_of([5, 5, 5], mask)
+    assert cut_segments(run) != []  # (a model call handed the (3, 9) batch: its rows cut)
+    one = Run(run.calls, [Top("Model", first=0, end=3, shapes=(("hidden", (1, 5, 32)),))])
+    assert cut_segments(one) == []
 
 
 def test_varlen_lengths_made_from_the_first_row_leave_the_longer_rows_tail_unattended(tmp_path):
@@ -171,3 +182,10 @@ def test_a_key_padding_mask_counted_as_tokens_on_a_left_padded_batch(tmp_path):
     pads = [width - n for n in seq_lens]
     assert f"ran over {sum(pads)} tokens" in hit["message"] and f"holds {sum(seq_lens)} real tokens" in hit["message"]
     assert "by seq_lens in main()" in hit["message"]
+
+
+def test_gpt_neox_stream_tokens_reference_layers_are_not_rows_cut(tmp_path):
+    """The program behind the unit test above (tests/data/quiet_blind, quiet-r165b): quiet."""
+    status, found, report = traced(tmp_path, "quiet_gpt_neox_stream_tokens_right_padded_layer_past_min_context_start",
+                                   False, Path(__file__).parent / "data" / "quiet_blind")
+    assert status == 0 and not [f for f in found if f["code"] == "segments-cut"], report

@@ -56,13 +56,13 @@ def cut_segments(run: Run) -> list:
             if one_sequence(call, alike=False) and call.shape[2] == call.shape[3] and run.top(call) is top:
                 sites.setdefault(call.where, []).append(call)
         for calls in sites.values():
-            finding = _finding(calls)
+            finding = _finding(calls, top)
             if finding is not None:
                 found.extend((call, finding) for call in calls)
     return found + uncovered(run, {call.index for call, _ in found})
 
 
-def _finding(calls: list) -> Finding | None:
+def _finding(calls: list, top) -> Finding | None:
     if len(calls) < 2:
         return None
     pieces = [int(call.shape[2]) for call in calls]
@@ -79,6 +79,9 @@ def _finding(calls: list) -> Finding | None:
         if calls[0].shape[0] > 1 and (not given or tuple(given[:2]) != (rows, length)):
             continue  # (heads on the batch axis: only the padding of the (B, L) batch its layer was handed, not a
             # caption's lengths beside an image's tokens run one at a time, Lumina-Next's reference loop)
+        if not any(shape and shape[0] == rows for _, shape in top.shapes):
+            continue  # (the model call was handed no tensor of the batch's rows: a reference run of one sequence,
+            # whose layers a loop calls one by one, not the batch's rows one at a time: gpt-neox's, quiet-r165b)
         tables = readings(held, rows, length) if rows == len(calls) else []
         if not tables:
             continue

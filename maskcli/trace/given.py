@@ -339,6 +339,9 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
 def _laid(keep: torch.Tensor, b: int, h: int, q_len: int, k_len: int) -> list:
     """The readings of a mask's axes as (B|1, H|1, Lq, Lk)."""
     lead = tuple(keep.shape[:-2])
+    if keep.dim() == 2 and tuple(keep.shape) == (b, k_len) and b == q_len > 1:  # (B, Lk) as long as (Lq, Lk): a key
+        # padding mask, or queries by keys (candle's e5 BertModel hands (B, L) where B == L, blind-zo): either kept to
+        return [keep.reshape(1, 1, q_len, k_len), keep.reshape(b, 1, 1, k_len)]
     if len(lead) == 1 and lead[0] == b * h and b * h > 1:  # (b * h, Lq, Lk): the heads folded into the batch
         return [keep.reshape(b, h, q_len, k_len)]
     if len(lead) > 2 and all(n == 1 for n in lead[1:-1]):  # (B, 1, ..., H|1, Lq, Lk): MaxText's (b, 1, 1, t, s)
