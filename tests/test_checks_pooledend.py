@@ -91,3 +91,27 @@ def test_a_masked_output_read_by_index_before_an_unpadded_rows_end(tmp_path):
     assert status == 1 and tuple(hit["cell"]) == (0, 0, 0), report
     status, found, report = traced(tmp_path, "decoder_embedder_masked_output_pooled_at_length", True, POOLED)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_minimind_ppo_critic_read_at_each_rows_length_less_one(tmp_path):
+    """jingyaogong/minimind 9c98cab / d7f4f4e (written blind, batch blind-zf; missed before): the PPO critic's value is
+    read at `full_mask.sum(1) - 1` over left-padded prompts and their responses, a real token before row 0's last; the
+    fix reads `(full_mask * arange).argmax(1)`."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "minimind_ppo_left_padded_prompt_lengths_from_attention_mask", "pooled-before-end")[0]
+    assert "its length less one" in hit["message"] and "padded on the left" in hit["message"]
+
+
+def test_a_value_head_read_at_length_less_one_written_another_way(tmp_path):
+    """A hand-written causal decoder and value head over prompts of 9, 7 and 6 tokens padded on the left to 9: read at
+    `attention_mask.sum(-1) - 1`, rows 1 and 2 are read at a real token before their last (6 of 2-8, 5 of 3-8); the
+    fix reads the last column. Against the positions a double loop gives."""
+    from checkbugs import check_bug
+
+    lengths, width = [9, 7, 6], 9
+    read = [n - 1 for n in lengths]
+    early = [r for r, n in enumerate(lengths) if width - n > 0 and read[r] != width - 1]
+    [hit] = check_bug(tmp_path, "value_head_left_padded_read_at_length_less_one", "pooled-before-end", POOLED)
+    assert hit["message"].startswith(f"batch row {early[0]} of Decoder's output is read at position {read[early[0]]}")
+    assert tuple(hit["cell"]) == (early[0], read[early[0]], read[early[0]])

@@ -1,4 +1,5 @@
-"""A causal model's output pooled before a row's end, where the same read lands on the end of other rows.
+"""A causal model's output pooled before a row's end, where the same read lands on the end of other rows; and every
+row read at its length less one on a batch padded on the left.
 
 Under causal attention a position's output has seen only the tokens up to it: a decoder's embedding, a CLIP text
 tower's EOS feature, is read at each row's last token (trace/poolrows.py records the position each row is read at,
@@ -12,6 +13,12 @@ real keys up to itself) at every call over them.
 Quiet where every row is read at its end (either fix), where no row is (a reader of another position: a prompt's last
 token before the response that follows it, a first-token read), on a model that attends both ways (a position there
 sees every token), and on logits or a head computed over the output (a reranker's or a reward head's own position).
+
+The length-less-one read is said of any model and of a head too: where every row read (two or more) is read at its own
+count of real tokens less one, and a row padded on the left is read before its last token, the index is the last
+position of a row padded on the right, counted on a batch padded on the left (minimind 9c98cab / d7f4f4e's PPO critic,
+written blind, blind-zf: its value read at `full_mask.sum(1) - 1`; the fix reads `(full_mask * arange).argmax(1)`).
+A row read at padding that way is pooled-at-padding's (checks/pooledat.py).
 """
 
 from __future__ import annotations
@@ -28,10 +35,15 @@ def pooled_before_end(run: Run) -> list:
     found = []
     for top in run.tops:
         for read in top.pooled or ():
-            if read.get("head") or read.get("what") == "logits":
-                continue  # (a score or a reranker's logits: their position is the program's own choice)
             real = read["mask"]
             pairs = list(zip(read["rows"].tolist(), read["positions"].tolist()))
+            shorter = _length_less_one(real, pairs)
+            if shorter is not None:
+                found.append((run.made_by(top)[-1] if run.made_by(top) else run.calls[-1],
+                              _length_finding(read, top, real, *shorter)))
+                break
+            if read.get("head") or read.get("what") == "logits":
+                continue  # (a score or a reranker's logits: their position is the program's own choice)
             ends = {r: int(np.flatnonzero(real[r])[-1]) for r, _ in pairs if real[r].any()}
             early = [(r, p) for r, p in pairs if r in ends and real[r, p] and p < ends[r]]
             at_end = [r for r, p in pairs if ends.get(r) == p]
@@ -57,6 +69,26 @@ def pooled_before_end(run: Run) -> list:
                 cell=(r, p, p))))
             break
     return found
+
+
+def _length_less_one(real: np.ndarray, pairs: list) -> tuple[int, int] | None:
+    """(row, position) of the first row padded on the left that is read at its length less one, a real token before
+    its last, where every row read (two or more, each with a token) is read at its own length less one; else None."""
+    counts = real.sum(axis=1)
+    if len(pairs) < 2 or any(not counts[r] or p != counts[r] - 1 for r, p in pairs):
+        return None
+    return next(((r, p) for r, p in pairs if not real[r, 0] and p != np.flatnonzero(real[r])[-1]), None)
+
+
+def _length_finding(read: dict, top, real: np.ndarray, r: int, p: int) -> Finding:
+    tokens = np.flatnonzero(real[r])
+    where, head = read.get("module") or top.where, read.get("head") or read.get("what") == "logits"
+    return Finding("pooled-before-end", (
+        f"batch row {r} of {where}'s {'output is read' if head else 'output is pooled'} at position {p} by "
+        f"{read['how']}, its length less one ({len(tokens)} tokens: {spans(tokens)}, padded on the left), a token "
+        f"before its last ({int(tokens[-1])}), as every row read is at its length less one — the last position of a "
+        f"row padded on the right, read on a batch padded on the left?"), expected=f"row {r} read at {int(tokens[-1])}",
+        source=f"{read.get('source') or 'attention_mask'} of {where}", cell=(r, p, p))
 
 
 def _causal(calls: list, real: np.ndarray) -> bool:
