@@ -83,6 +83,9 @@ BUGS = [
     # ctheodoris/Geneformer 9169bfd (#146; written blind, batch blind-zh, caught before any rule changed for it):
     # EmbExtractor.get_embs pads each batch of cells and calls BertForMaskedLM with input_ids alone
     ("geneformer_emb_extractor_get_embs_no_attention_mask", "padding-ignored"),
+    # axolotl-ai-cloud/axolotl 507eee7aa (written blind, batch blind-zp, caught before any rule changed for it): the hybrid
+    # mode's global layers on plain sdpa got no mask for a packed row, whose documents only position_ids state
+    ("axolotl_gemma4_hybrid_global_layers_sdpa_packed_rows", "documents-leak"),
 ]
 
 

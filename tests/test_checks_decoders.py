@@ -127,3 +127,17 @@ def test_bert_summarizer_decoder_without_its_tgt_mask(tmp_path):
     summary token saw the later ones; its config says `is_decoder=True`. The fix passes the upper-triangular mask."""
     found = check_bug(tmp_path, "bert_summarizer_bertsumabs_decoder_no_tgt_mask", "decoder-sees-later")
     assert "query 0 sees the later key 1" in " ".join(found[0]["message"].split())
+
+
+def test_a_pass_its_module_is_handed_is_causal_false_is_the_callers_word_over_an_is_decoder_config(tmp_path):
+    """e-c-k-e-r/vall-e 90b3509 (written blind, blind-zr; decoder-sees-later on the buggy run and on its fix before):
+    the AR/NAR model's config says is_decoder=True and causal=True, and its NAR passes hand each attention
+    `is_causal=False` (the batch split by each row's causality): those passes attend both ways by the caller's own
+    word. Neither run is said to see ahead now (the bug itself, row 0's segment mask built from row 1's lengths, is
+    not caught)."""
+    from pathlib import Path
+
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, "valle_ecker_nar_len_segmented_mask_aux_lens_aliased_rows", fixed,
+                                       Path(__file__).parent / "data" / "blind")
+        assert not [f for f in found if f["code"] == "decoder-sees-later"], report

@@ -69,8 +69,8 @@ def decoder_sees_later(run: Run) -> list:
     found, done, judged = [], {}, None
     for call in run.calls:
         q_len, k_len = call.shape[2:]
-        if call.stored is None or q_len < 2:
-            continue
+        if call.stored is None or q_len < 2 or call.details.get("forward_not_causal"):
+            continue  # (a pass whose module's forward was handed is_causal=False: the caller's own word, over the config's)
         said = said_decoder(run, call)
         causal = None if said is not None else said_causal(run, call)
         if said is None and causal is None:

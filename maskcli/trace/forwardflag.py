@@ -55,10 +55,11 @@ def around(stack: list, frames: list, value: bool = True) -> str | None:
 
 
 def said_both_ways(stack: list, frames: list, details: dict) -> str | None:
-    """'Class.forward(is_causal=False)' where a decoder's call (trace/builders.py's decoder_builder in `details`) runs
-    inside a module whose forward was handed causal False against its default: the caller chose this pass bidirectional
-    (GritLM's one model embeds with `is_causal=False` and generates causal: checks/directions.py)."""
-    return around(stack, frames, False) if "decoder_builder" in details else None
+    """'Class.forward(is_causal=False)' where the call runs inside a module whose forward was handed causal False
+    against its default: the caller chose this pass bidirectional (GritLM's one model embeds with `is_causal=False` and
+    generates causal: checks/directions.py; VALL-E's NAR passes, `is_causal=False` per split of the batch, beside a
+    config that says is_decoder: checks/decoders.py)."""
+    return around(stack, frames, False)
 
 
 def forward_frame(stack: list, frames: list, takes) -> tuple | None:

@@ -41,8 +41,8 @@ def stored(trace, seen) -> str:
     """trace._store(seen) (its key), with seen.details["dropped_mask"] set where a mask the frames handed is dropped."""
     key = trace._store(seen)
     note(seen, trace, key, trace.__dict__.setdefault("_handed", {}))
-    with contextlib.suppress(Exception, SystemExit):  # (a learned sink the attending module holds, which the kernel's
-        heldsinks.note(seen.details, trace.sites.stack, seen.api, seen.shape, seen.sources)  # mask has no term for)
+    with contextlib.suppress(Exception, SystemExit):  # (a learned sink the attending module holds, no term of the mask)
+        heldsinks.note(seen.details, trace.sites.stack, seen.api, seen.shape, seen.sources)
     return key
 
 
@@ -54,11 +54,9 @@ def note(seen, trace, key: str, cache: dict) -> None:
     if math.prod(shape) > CELLS or stored is not None and stored.get("form") == "stats":  # (math's: numpy's costs more)
         return
     try:
-        reading = seen.details.get("cross")
-        found = handed(shape, seen.sources, None if reading is None else bool(reading.get("cross")))
+        found = handed(shape, seen.sources, None if (reading := seen.details.get("cross")) is None else bool(reading.get("cross")))
         if found is not None:
             from maskcli.trace.store import unread_cells
-
             lost = dropped(found[:2], lambda: unread_cells(trace, key), shape, cache, key)
             if lost is not None:
                 seen.details["dropped_mask"] = {**lost, "beside_memory_mask": True} if found[2] else lost
@@ -337,18 +335,17 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
 
 
 def _laid(keep: torch.Tensor, b: int, h: int, q_len: int, k_len: int) -> list:
-    """The readings of a mask's axes as (B|1, H|1, Lq, Lk)."""
+    """The readings of a mask's axes as (B|1, H|1, Lq, Lk); a (B, Lk) mask as long as the queries both as (Lq, Lk) and
+    per batch row, a key padding mask (candle's e5 BertModel hands (B, L) where B == L: blind-zo)."""
     lead = tuple(keep.shape[:-2])
-    if keep.dim() == 2 and tuple(keep.shape) == (b, k_len) and b == q_len > 1:  # (B, Lk) as long as (Lq, Lk): a key
-        # padding mask, or queries by keys (candle's e5 BertModel hands (B, L) where B == L, blind-zo): either kept to
+    if keep.dim() == 2 and tuple(keep.shape) == (b, k_len) and b == q_len > 1:
         return [keep.reshape(1, 1, q_len, k_len), keep.reshape(b, 1, 1, k_len)]
     if len(lead) == 1 and lead[0] == b * h and b * h > 1:  # (b * h, Lq, Lk): the heads folded into the batch
         return [keep.reshape(b, h, q_len, k_len)]
     if len(lead) > 2 and all(n == 1 for n in lead[1:-1]):  # (B, 1, ..., H|1, Lq, Lk): MaxText's (b, 1, 1, t, s)
         return [keep.reshape(lead[0], lead[-1], *keep.shape[-2:])]
-    if len(lead) == 1 and lead[0] > 1:
-        # (N, Lq, Lk): per head as torch broadcasts it, or per batch row as a program that unsqueezes it or permutes
-        # its scores (batch first) before adding applies it; the frame does not say which, so either may be kept to
+    if len(lead) == 1 and lead[0] > 1:  # (N, Lq, Lk): per head as torch broadcasts it, or per batch row (unsqueezed,
+        # or added to scores permuted batch first); the frame does not say which, so either may be kept to
         return [keep.reshape(lead[0], 1, q_len, k_len), keep.reshape(1, lead[0], q_len, k_len)]  # (a tie: said per row)
     return [keep.reshape((1,) * max(0, 4 - keep.dim()) + tuple(keep.shape[-min(keep.dim(), 4):]))]
 

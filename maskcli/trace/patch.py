@@ -50,9 +50,11 @@ def swap(function, make_hook: Callable) -> Callable[[], None] | None:
     name = f"{HOOK}_{id(function)}"
     original = types.FunctionType(function.__code__, names, function.__name__, function.__defaults__, function.__closure__)
     original.__kwdefaults__ = function.__kwdefaults__
-    had_signature = "__signature__" in function.__dict__
+    had_signature, had_wrapped = "__signature__" in function.__dict__, "__wrapped__" in function.__dict__
     if not had_signature:
         function.__signature__ = _signature(function, original)
+    if not had_wrapped:  # (inspect.getsourcelines unwraps it: TorchScript, compiling a scripted function's callee such as
+        function.__wrapped__ = original  # F.softmax, reads the original's source, not the shim's)
     code = function.__code__
     names[name], names[name + "_original"] = make_hook(original), original
     names_of = {"co_name": code.co_name} | ({"co_qualname": code.co_qualname} if hasattr(code, "co_qualname") else {})  # (3.11+)
@@ -64,6 +66,8 @@ def swap(function, make_hook: Callable) -> Callable[[], None] | None:
         names.pop(name + "_original", None)
         if not had_signature:
             function.__dict__.pop("__signature__", None)
+        if not had_wrapped:
+            function.__dict__.pop("__wrapped__", None)
 
     return undo
 
