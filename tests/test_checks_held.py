@@ -1380,3 +1380,10 @@ def test_perturbgen_decoder_self_attention_attends_the_padded_genes(tmp_path):
     assert "padding-unused" in {f["code"] for f in found if f["severity"] == "wrong"}, report
     status, found, report = traced(tmp_path, name, True, BLIND)
     assert {f["code"] for f in found if f["severity"] == "wrong"} == {"fully-masked"}, report
+
+
+def test_paddlenlp_static_gpt3_prefill_adds_the_prompt_mask_as_it_is(tmp_path):
+    # PaddlePaddle/PaddleNLP#4986 (written blind, batch blind-zt; caught before any rule changed for it): the static
+    # GPT-3 generation's prefill added the 1/0 prompt mask to the -1e4 causal bias unconverted, so a left-padded
+    # prompt's real tokens attended its padding; the decode steps converted it, `(1 - mask) * -1e4`
+    check_bug(tmp_path, "paddlenlp_gpt3_static_generation_prefill_mask_not_additive", "padding-unused")
