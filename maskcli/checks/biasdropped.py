@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import re
 
-from maskcli.checks.context import Run
+from maskcli.checks.context import Run, layer
 from maskcli.checks.registry import Rule
-from maskcli.text import Finding
+from maskcli.text import Finding, spans
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
@@ -27,16 +27,11 @@ def _biased(call) -> bool:
     return bool(call.details.get("bias")) or isinstance(profile, dict) and "zero" not in profile
 
 
-def _layer(where: str) -> int | None:
-    numbers = _NUMBER.findall(where)
-    return int(numbers[-1]) if numbers else None
-
-
 def bias_dropped(run: Run) -> list:
     """The later layers of a stack handed no position bias where its first layer adds one."""
     sites: dict[tuple, list] = {}
     for call in sorted([*run.calls, *run.unmasked], key=lambda call: call.index):
-        if _layer(call.where) is not None:
+        if layer(call) is not None:
             sites.setdefault((call.step, _NUMBER.sub("#", call.where), tuple(call.shape)), []).append(call)
     found = []
     for calls in sites.values():
@@ -45,11 +40,11 @@ def bias_dropped(run: Run) -> list:
             if not _biased(first) or not lost or any(_biased(call) for call in later):
                 continue
             owner, name = lost[0].details["bias_none"]
-            layers = sorted({_layer(call.where) for call in lost})
+            layers = sorted({layer(call) for call in lost})
             found.append((lost[0], Finding("bias-dropped", (
-                f"{lost[0].where}: layer{'s' if len(layers) > 1 else ''} {_span(layers)} of this stack add no position "
+                f"{lost[0].where}: layer{'s' if len(layers) > 1 else ''} {spans(layers)} of this stack add no position "
                 f"bias to their scores ({owner}.forward's {name} is None at the kernel), while layer "
-                f"{_layer(first.where)} ({first.where}), in the same pass, adds one: the loop over the layers did not "
+                f"{layer(first)} ({first.where}), in the same pass, adds one: the loop over the layers did not "
                 f"hand the first layer's bias on"), expected="the first layer's position bias",
                 source=f"{first.where} adds a position bias", cell=(0, 0, 0))))
             break  # (one finding a stack)
@@ -61,17 +56,12 @@ def _passes(calls: list) -> list[tuple]:
     rise (the model's forward calls each layer once)."""
     passes, current = [], []
     for call in calls:
-        if current and _layer(call.where) <= _layer(current[-1].where):
+        if current and layer(call) <= layer(current[-1]):
             passes.append(current)
             current = []
         current.append(call)
     passes.append(current)
     return [(one[0], one[1:]) for one in passes if len(one) > 1]
-
-
-def _span(layers: list[int]) -> str:
-    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 and layers[-1] - layers[0] + 1 == len(layers) else \
-        ", ".join(map(str, layers))
 
 
 RULES = (

@@ -38,9 +38,8 @@ def pooled_before_end(run: Run) -> list:
             real = read["mask"]
             pairs = list(zip(read["rows"].tolist(), read["positions"].tolist()))
             shorter = _length_less_one(real, pairs)
-            if shorter is not None:
-                found.append((run.made_by(top)[-1] if run.made_by(top) else run.calls[-1],
-                              _length_finding(read, top, real, *shorter)))
+            if shorter is not None and (made := run.made_by(top)):
+                found.append((made[-1], _length_finding(read, top, real, *shorter)))
                 break
             if read.get("head") or read.get("what") == "logits":
                 continue  # (a score or a reranker's logits: their position is the program's own choice)
